@@ -1,0 +1,356 @@
+"""Agent rollouts with context compaction — SPEC §1, §2, §6.
+
+The loop is batched across episodes: every live episode produces its next turn in ONE engine
+call. Each turn: check the compaction trigger (eq. 7); for episodes that must compact, append the
+summary instruction, let the same policy write the summary (eq. 8) and rebuild the window (eq. 9);
+then generate the action, step the environment, append the observation.
+
+Every window becomes a `Segment`, the training sample: its prompt, and a response made of spans
+(action, observation, summary_instruction, summary) with a loss mask that is 1 exactly on the
+tokens the policy sampled. Contexts are built incrementally as token ids (model.ChatCodec) and
+never re-tokenized from text, so trainer ids equal sampler ids token for token.
+
+Token layout of one window (G = generation prompt, E = turn close, O = observation message):
+    prompt = s ⊕ u  (or s ⊕ u_resume(S) ⊕ tail steps)
+    step i = G  A_i  E  O_i           (A_i sampled; G, E, O_i injected; atomic: never split)
+    end    = q_sum-message G  S       (summary instruction, then the sampled summary S)
+"""
+import concurrent.futures as cf
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from compaction import SUMMARY_INSTRUCTION, can_compact, resume_text, select_tail, should_compact
+
+TRAINABLE_KINDS = ("action", "summary")
+
+
+@dataclass
+class Generation:
+    """One engine output: sampled ids (including the stop token if one was sampled) and the
+    log-prob of each under the sampling distribution softmax(logits / temperature)."""
+    token_ids: list
+    logprobs: list
+    finish_reason: str  # "stop" | "length"
+
+
+class Engine:
+    """Interface of a rollout engine (HFEngine here; vllm_engine.VLLMEngine behind the same one)."""
+
+    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids):
+        """prompts: list of token-id lists; max_new_tokens: one int per prompt. -> [Generation]"""
+        raise NotImplementedError
+
+    def load_weights(self, named_tensors):
+        """Replace the weights with (name, tensor) pairs in Hugging Face naming."""
+        raise NotImplementedError
+
+    def sleep(self):
+        """Free memory between rollouts (a no-op where unsupported)."""
+
+    def wake_up(self):
+        """Undo `sleep` before the next rollout."""
+
+
+class HFEngine(Engine):
+    """transformers `generate`, batched and left-padded. Sampling is pure softmax(logits / T):
+    top-k and top-p are switched off, so the returned log-probs are those of the distribution
+    actually sampled (the trainer divides its logits by the same T)."""
+
+    def __init__(self, model, pad_token_id):
+        self.model = model.eval()
+        self.pad = pad_token_id
+
+    @torch.no_grad()
+    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids):
+        if temperature <= 0:
+            raise ValueError("HFEngine samples; temperature must be > 0")
+        device = next(self.model.parameters()).device
+        L = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), L), self.pad, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, L - len(p):] = torch.tensor(p)
+            attn[i, L - len(p):] = 1
+        out = self.model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
+                                  do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                                  max_new_tokens=max(max_new_tokens), eos_token_id=stop_token_ids,
+                                  pad_token_id=self.pad, output_logits=True,
+                                  return_dict_in_generate=True)
+        new = out.sequences[:, L:].cpu()  # (B, N)
+        logits = torch.stack(out.logits, dim=1).float().cpu()  # (B, N, V) raw logits
+        logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, new[..., None])[..., 0]
+        results = []
+        for i in range(len(prompts)):
+            toks, lps = [], []
+            for t in range(min(new.shape[1], max_new_tokens[i])):
+                toks.append(int(new[i, t]))
+                lps.append(float(logp[i, t]))
+                if toks[-1] in stop_token_ids:
+                    break
+            stopped = bool(toks) and toks[-1] in stop_token_ids
+            results.append(Generation(toks, lps, "stop" if stopped else "length"))
+        return results
+
+    def load_weights(self, named_tensors):
+        self.model.load_state_dict(dict(named_tensors), strict=False)
+
+
+@dataclass
+class Segment:
+    """One context window of a rollout: a training sample (SPEC §2)."""
+    prompt_ids: list
+    response_ids: list = field(default_factory=list)
+    loss_mask: list = field(default_factory=list)  # 1 on sampled tokens
+    logprobs: list = field(default_factory=list)  # sampler log-probs, 0 where mask is 0
+    spans: list = field(default_factory=list)  # (kind, start, end) over response_ids
+    rollout_id: int = 0
+    segment_index: int = 0
+    reward: float = 0.0
+
+    @property
+    def n_tokens(self):
+        return sum(self.loss_mask)
+
+    def append(self, ids, kind, logprobs=None):
+        trainable = kind in TRAINABLE_KINDS
+        if trainable and (logprobs is None or len(logprobs) != len(ids)):
+            raise ValueError(f"a sampled span ({kind}) needs one log-prob per token")
+        if self.spans and self.spans[-1][0] == kind and not trainable:
+            k, s, _ = self.spans[-1]  # merge adjacent injected spans of one kind
+            self.spans[-1] = (k, s, len(self.response_ids) + len(ids))
+        else:
+            self.spans.append((kind, len(self.response_ids), len(self.response_ids) + len(ids)))
+        self.response_ids += ids
+        self.loss_mask += [int(trainable)] * len(ids)
+        self.logprobs += list(logprobs) if trainable else [0.0] * len(ids)
+
+    @property
+    def ids(self):
+        return self.prompt_ids + self.response_ids
+
+
+@dataclass
+class Episode:
+    rollout_id: int
+    task_id: str
+    group_id: int
+    segments: list = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    compactions: int = 0
+    end_reason: str = ""  # submitted | max_turns | format_errors | budget_exhausted | context_overflow | timeout
+    summaries: list = field(default_factory=list)
+
+
+@dataclass
+class _Live:
+    """Loop state of one running episode."""
+    ep: Episode
+    env: object
+    system: str
+    task: str
+    seg: Segment
+    steps: list = field(default_factory=list)  # atomic steps of this window: (action ids, E+O ids)
+    format_errors: int = 0
+    start: float = 0.0
+
+    @property
+    def used(self):
+        return len(self.seg.prompt_ids) + len(self.seg.response_ids)
+
+
+@dataclass
+class RolloutConfig:
+    """Limits of the agent loop; train.py's Config documents each with its paper value."""
+    context_budget: int  # C
+    reserve: int  # T_comp
+    max_compactions: int  # K
+    max_turns: int
+    max_action_tokens: int
+    max_summary_tokens: int
+    keep_last: int = 2  # k tail steps kept verbatim
+    repeat_task: bool = True
+    temperature: float = 1.0
+    max_format_errors: int = 3
+    max_seconds: float = 0.0  # wall time per episode, 0 = no limit
+    env_workers: int = 8  # threads stepping environments (sandbox commands) in parallel
+    summary_instruction: str = SUMMARY_INSTRUCTION  # q_sum
+
+
+def run_episodes(engine, codec, envs, cfg, rollout_ids, task_ids, group_ids=None):
+    """Run one episode per environment, all in lockstep batches. Returns [Episode]."""
+    group_ids = group_ids if group_ids is not None else rollout_ids
+    live = []
+    for env, rid, tid, gid in zip(envs, rollout_ids, task_ids, group_ids):
+        messages = env.reset()
+        system, task = messages[0]["content"], messages[1]["content"]
+        seg = Segment(prompt_ids=codec.prompt(messages), rollout_id=rid)
+        live.append(_Live(Episode(rid, tid, gid), env, system, task, seg, start=time.time()))
+    done = []
+    with cf.ThreadPoolExecutor(max_workers=max(1, cfg.env_workers)) as pool:
+        while live:
+            live, ended = _check_limits(live, cfg)
+            done += ended
+            to_compact = [s for s in live if s.steps and should_compact(s.used, cfg.context_budget, cfg.reserve)]
+            if to_compact:
+                _compact(engine, codec, to_compact, cfg)
+                live, ended = _split(live, lambda s: s.ep.end_reason == "")
+                done += ended
+            if not live:
+                break
+            _act(engine, codec, live, cfg, pool)
+            live, ended = _split(live, lambda s: s.ep.end_reason == "")
+            done += ended
+        for s, r in zip(done, list(pool.map(_score, done))):
+            _finish(s, r)
+    return sorted([s.ep for s in done], key=lambda e: e.rollout_id)
+
+
+def _split(states, keep):
+    return [s for s in states if keep(s)], [s for s in states if not keep(s)]
+
+
+def _end(s, reason):
+    s.ep.end_reason = reason
+    s.ep.segments.append(s.seg)
+
+
+def _check_limits(live, cfg):
+    for s in live:
+        if s.ep.turns >= cfg.max_turns:
+            _end(s, "max_turns")
+        elif s.format_errors >= cfg.max_format_errors:
+            _end(s, "format_errors")
+        elif cfg.max_seconds and time.time() - s.start > cfg.max_seconds:
+            _end(s, "timeout")
+        elif should_compact(s.used, cfg.context_budget, cfg.reserve):
+            if not s.steps:
+                _end(s, "context_overflow")  # nothing to summarize: the prompt alone is too long
+            elif not can_compact(s.ep.compactions, cfg.max_compactions):
+                _end(s, "budget_exhausted")  # SPEC §1: reward 0, still trained
+    return _split(live, lambda s: s.ep.end_reason == "")
+
+
+def _compact(engine, codec, states, cfg):
+    """Summary (eq. 8) then resume (eq. 9) for every state in `states`, in one engine call."""
+    instr = codec.message({"role": "user", "content": cfg.summary_instruction}) + codec.gen_prompt
+    for s in states:
+        s.seg.append(instr, "summary_instruction")
+    gens = engine.generate([s.seg.ids for s in states], [cfg.max_summary_tokens] * len(states),
+                           cfg.temperature, codec.stop_ids)
+    for s, g in zip(states, gens):
+        s.seg.append(g.token_ids, "summary", g.logprobs)
+        summary = codec.decode(g.token_ids).split("</think>")[-1].strip()  # drop a reasoning block
+        s.ep.summaries.append(summary)
+        s.ep.compactions += 1
+        head = codec.prompt([{"role": "system", "content": s.system},
+                             {"role": "user", "content": resume_text(s.task, summary, cfg.repeat_task)}])
+        step_ids = [codec.gen_prompt + a + eo for a, eo in s.steps]
+        k = select_tail(len(head), [len(x) for x in step_ids], cfg.context_budget, cfg.reserve,
+                        cfg.keep_last)
+        s.ep.segments.append(s.seg)
+        if k is None:  # even s ⊕ u_resume(S) leaves less than the reserve: cannot continue
+            s.ep.end_reason = "context_overflow"
+            continue
+        tail = step_ids[len(step_ids) - k:] if k else []
+        s.steps = s.steps[len(s.steps) - k:] if k else []
+        s.seg = Segment(prompt_ids=head + [t for x in tail for t in x], rollout_id=s.ep.rollout_id,
+                        segment_index=len(s.ep.segments))
+
+
+def _act(engine, codec, live, cfg, pool):
+    """One action for every live episode (one engine call), then the environments step."""
+    for s in live:
+        if s.seg.response_ids:
+            s.seg.append(codec.gen_prompt, "observation")
+        else:
+            s.seg.prompt_ids = s.seg.prompt_ids + codec.gen_prompt  # a window opens with s ⊕ u ⊕ G
+    room = [min(cfg.max_action_tokens, cfg.context_budget - s.used) for s in live]
+    gens = engine.generate([s.seg.ids for s in live], [max(1, r) for r in room], cfg.temperature,
+                           codec.stop_ids)
+    texts = []
+    for s, g in zip(live, gens):
+        s.seg.append(g.token_ids, "action", g.logprobs)
+        s.ep.turns += 1
+        texts.append(codec.decode(g.token_ids))
+    results = list(pool.map(lambda st: st[0].env.step(st[1]), zip(live, texts)))
+    for s, g, step in zip(live, gens, results):
+        s.format_errors = s.format_errors + 1 if step.format_error else 0
+        if step.done:
+            _end(s, "submitted")
+            continue
+        eo = codec.close(g.token_ids) + codec.message({"role": "user", "content": step.observation})
+        s.seg.append(eo, "observation")
+        s.steps.append((g.token_ids, eo))
+
+
+def _score(s):
+    """The outcome reward: graded only when the agent submitted (SPEC §1: a rollout that ran out
+    of budget, turns or format gets 0 and is still trained). The environment is closed either way."""
+    try:
+        return float(s.env.reward()) if s.ep.end_reason == "submitted" else 0.0
+    finally:
+        s.env.close()
+
+
+def _finish(s, reward):
+    s.ep.reward = reward
+    for seg in s.ep.segments:
+        seg.reward = reward
+
+
+def collate(segments, pad_id):
+    """Right-padded training tensors for a list of segments. Per-token tensors are aligned with
+    the targets input_ids[:, 1:] (T = L − 1), like model.token_logprobs:
+        input_ids, attention (B, L); mask, old_logprobs (B, T) — the sampler's log-probs;
+        rewards, rollout_ids, segment_index, n_tokens (B,)."""
+    L = max(len(s.ids) for s in segments)
+    B = len(segments)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros(B, L, dtype=torch.long)
+    mask = torch.zeros(B, L - 1)
+    lps = torch.zeros(B, L - 1)
+    for b, s in enumerate(segments):
+        n, p = len(s.ids), len(s.prompt_ids)
+        ids[b, :n] = torch.tensor(s.ids)
+        attn[b, :n] = 1
+        # response token j sits at position p + j, so its target index is p + j − 1
+        mask[b, p - 1:n - 1] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        lps[b, p - 1:n - 1] = torch.tensor(s.logprobs, dtype=torch.float32)
+    return {"input_ids": ids, "attention": attn, "mask": mask, "old_logprobs": lps,
+            "rewards": torch.tensor([s.reward for s in segments], dtype=torch.float32),
+            "rollout_ids": torch.tensor([s.rollout_id for s in segments]),
+            "segment_index": torch.tensor([s.segment_index for s in segments]),
+            "n_tokens": torch.tensor([s.n_tokens for s in segments])}
+
+
+def format_episode(ep, decode):
+    """Plain-text dump of an episode for people: every window, every span, what is trained."""
+    lines = [f"=== rollout {ep.rollout_id}  task {ep.task_id}  reward {ep.reward}  turns {ep.turns}  "
+             f"compactions {ep.compactions}  ended: {ep.end_reason}"]
+    for seg in ep.segments:
+        lines.append(f"--- segment {seg.segment_index}: prompt {len(seg.prompt_ids)} tokens, "
+                     f"response {len(seg.response_ids)} tokens, trainable {seg.n_tokens}")
+        lines.append(f"[prompt] {decode(seg.prompt_ids)!r}")
+        for kind, a, b in seg.spans:
+            mark = "TRAIN" if kind in TRAINABLE_KINDS else "     "
+            lines.append(f"[{mark} {kind}] {decode(seg.response_ids[a:b])!r}")
+    return "\n".join(lines)
+
+
+def pack_micro_batches(lengths, max_tokens):
+    """Group row indices into micro-batches whose padded size (rows × longest row) stays within
+    `max_tokens`: rows sorted by length, so each micro-batch holds rows of similar length and
+    padding stays low. A row longer than the budget gets a micro-batch of its own."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[cur[0]] > max_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
