@@ -1,0 +1,737 @@
+"""CompactionRL trainer: PPO with a critic, context compaction, cross-trajectory GAE and the
+token-level normalized loss (SPEC §4–§6).
+
+    python train.py                                   # CPU: tiny embedded model, memory task
+    torchrun --nproc_per_node=2 train.py              # the same on 2 CPU processes (gloo)
+    torchrun --nproc_per_node=8 train.py --model Qwen/Qwen3-8B --task swe --engine vllm \
+        --context-budget 65536 --reserve 10240 --max-action-tokens 10240 ...   # GPUs (nccl)
+
+Each step reads like the algorithm box: (1) rollouts with compaction on this rank's share of
+tasks → (2) old log-probs and values → (3) advantages and returns → (4) critic updates →
+(5) PPO policy update, normalized by the global trainable-token count Z → (6) push the new
+weights to the rollout engine → (7) metrics, trajectory dump, checkpoint.
+
+Where the CPU defaults depart from the paper (every paper value is in the field's docstring):
+tiny model and memory task; a short supervised warm-up on the output *format only* (random
+content, see memory_task.FormatDemoEngine) so a random-initialized model emits well-formed
+turns; large learning rates and an entropy bonus, which a 10^5-parameter random model needs to
+leave the coordination saddle (notes/toy-memory-task). What to summarize and what to answer is
+learned by RL alone, credited through cross-trajectory GAE.
+"""
+import json
+import math
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+import fsdp
+import memory_task
+from advantage import (adaptive_lambda, concatenated_gae, cross_trajectory_gae, group_advantage,
+                       masked_whiten, rollout_lengths, segment_gae)
+from compaction import SUMMARY_INSTRUCTION
+from loss import finalize_metrics, normalizer_weights, ppo_policy_loss, value_loss
+from model import Actor, ChatCodec, Critic, build_tiny_model, export_pretrained, load_tokenizer
+from rollout import HFEngine, RolloutConfig, format_episode, pack_micro_batches, run_episodes
+
+
+@dataclass
+class Config:
+    # --- model and task -------------------------------------------------------------------
+    model: str = ""
+    """Policy checkpoint: Hugging Face id or local path. Empty = build the embedded tiny model."""
+    task: Literal["memory", "swe"] = "memory"
+    """memory: the built-in CPU task (memory_task.py); swe: SWE task rows from `tasks_path`."""
+    tasks_path: str = "tasks/swe/tasks.jsonl"
+    """SWE task rows (swebench-5 schema, JSON/JSONL) for --task swe."""
+    sandbox: Literal["local", "docker"] = "local"
+    """Where SWE commands run: local (bubblewrap) or docker (official SWE-bench images)."""
+    memory_keys: int = 4
+    """Memory task: number of possible keys (chance success = 1/memory_keys)."""
+    memory_noise: int = 6
+    """Memory task: distractor steps between the key and the question."""
+    memory_p_short: float = 0.25
+    """Memory task: fraction of short episodes whose question comes before any compaction."""
+    # --- rollout with compaction (SPEC §1) --------------------------------------------------
+    context_budget: int = 128
+    """C, tokens of one context window. Paper: 65536 (30B) / 81920 (106B)."""
+    reserve: int = 16
+    """T_comp: compact when C − |h| < reserve (eq. 7). Paper: 10240 (= the response cap)."""
+    max_compactions: int = 3
+    """K, compactions per rollout (0 = single window). Paper: 3."""
+    max_turns: int = 20
+    """Actions per rollout. Paper (eval): 250."""
+    max_action_tokens: int = 4
+    """Cap on one action. Paper: 10240."""
+    max_summary_tokens: int = 6
+    """Cap on one summary. Paper: 10240."""
+    keep_last: int = 2
+    """k, recent atomic steps kept verbatim after compaction (eq. 9). Paper: 2."""
+    repeat_task: bool = True
+    """Repeat the task text in the resume message (the paper does not say; SPEC default)."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer divides logits by it too. Paper: 1.0."""
+    engine: Literal["auto", "hf", "vllm"] = "auto"
+    """Rollout engine; auto = vllm when installed and a GPU is present, else hf."""
+    # --- batch ------------------------------------------------------------------------------
+    steps: int = 120
+    """Training steps (each: rollouts, critic updates, one policy update)."""
+    rollouts_per_step: int = 256
+    """Global rollouts per step, split over ranks. Paper: 128 (group size 1)."""
+    group_size: int = 1
+    """Rollouts per task (estimator G needs > 1). Paper: 1."""
+    mini_batches: int = 4
+    """Optimizer steps per PPO epoch; rollouts are split into this many mini-batches."""
+    ppo_epochs: int = 2
+    """Passes over the batch per policy update."""
+    micro_batch_tokens: int = 16384
+    """Padded tokens per forward/backward (packing budget; memory knob, not a math knob)."""
+    # --- algorithm (SPEC §3–§4) --------------------------------------------------------------
+    estimator: Literal["P", "E", "N", "G"] = "P"
+    """P cross-trajectory GAE (paper), E concatenated GAE, N naive per-segment, G group-relative."""
+    gamma: float = 1.0
+    """γ. Not stated in the paper; SPEC default 1."""
+    lam_mode: Literal["rollout", "segment", "fixed"] = "rollout"
+    """λ = 1 − 1/(α·l) with l = rollout trainable length (default) or segment length; or `lam`."""
+    lam: float = 0.95
+    """λ when lam_mode = fixed."""
+    lam_alpha: float = 1.5
+    """α of the adaptive λ. Paper: 1.5."""
+    critic_target: Literal["local", "mc"] = "local"
+    """local: G = A_loc + V (SPEC default); mc: G = R on every token."""
+    normalizer: Literal["token", "segment", "rollout"] = "token"
+    """Loss normalization: token = global trainable-token mean (paper eq. 12)."""
+    whiten_advantages: bool = False
+    """Mask-aware, global advantage whitening. Paper: off."""
+    clip_low: float = 0.2
+    """ε_low. Not stated in the paper; SPEC default 0.2."""
+    clip_high: float = 0.28
+    """ε_high. SPEC default 0.28."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c for Â < 0; 0 = off."""
+    value_clip: float = 0.2
+    """ε_v for the clipped value loss; 0 = off."""
+    entropy_coef: float = 0.01
+    """Entropy bonus. Paper: 0 (none); the tiny CPU model needs 0.01 (notes/toy-memory-task)."""
+    actor_lr: float = 3e-3
+    """Actor Adam lr. Paper: 2e-6."""
+    critic_lr: float = 3e-3
+    """Critic Adam lr. Paper: 3e-6."""
+    grad_clip: float = 1.0
+    """Max global grad norm."""
+    critic_updates: int = 2
+    """Critic updates per step. Paper: 2."""
+    value_pretrain_steps: int = 3
+    """Critic-only steps at the start, on rollouts of the initial policy. Paper: 50."""
+    summaries: Literal["trained", "masked"] = "trained"
+    """trained: summary tokens are in the loss (paper); masked: the 'w/o summary training' ablation."""
+    mask_truncated: bool = False
+    """SUPO-style overlong masking: no loss on rollouts that ran out of budget. Paper: off."""
+    format_warmup_steps: int = 40
+    """Supervised steps on random-content, well-formed turns before RL (memory task only; 0 = off)."""
+    warmup_lr: float = 3e-3
+    """Adam lr of the format warm-up."""
+    # --- run --------------------------------------------------------------------------------
+    seed: int = 0
+    """Seed of weights and tasks; sampling seeds are seed + rank."""
+    out_dir: str = "runs/default"
+    """Metrics (metrics.jsonl, curve.png), trajectory dumps, checkpoints, the HF export."""
+    resume: bool = False
+    """Continue from the latest checkpoint in out_dir/checkpoints."""
+    save_every: int = 20
+    """Checkpoint every N steps (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept."""
+    dump_every: int = 10
+    """Write sample trajectories every N steps."""
+    export_hf: bool = True
+    """save_pretrained the policy at the end (out_dir/hf)."""
+    mixed_precision: bool = True
+    """bf16 params with fp32 reduction on GPU (ignored on CPU)."""
+    activation_checkpointing: bool = False
+    """Recompute decoder-layer activations in backward."""
+    tensorboard: bool = False
+    """Also log to TensorBoard (if installed)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (if installed)."""
+
+
+def finalize(cfg, world):
+    """Derived sizes, checked once. Returns rollouts per rank."""
+    assert cfg.rollouts_per_step % world == 0, \
+        f"rollouts_per_step ({cfg.rollouts_per_step}) must be divisible by the world size ({world})"
+    per_rank = cfg.rollouts_per_step // world
+    assert per_rank % cfg.group_size == 0, \
+        f"rollouts per rank ({per_rank}) must be a multiple of group_size ({cfg.group_size}): groups stay on one rank"
+    assert cfg.estimator != "G" or cfg.group_size > 1, "estimator G needs group_size > 1"
+    assert cfg.reserve > cfg.max_action_tokens, "reserve must exceed max_action_tokens (eq. 7: a response always fits)"
+    assert cfg.format_warmup_steps == 0 or cfg.task == "memory", "format warm-up exists for the memory task only"
+    return per_rank
+
+
+# --- (0) set-up ---------------------------------------------------------------------------------
+
+def make_models(cfg, model_path, device):
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    mp = cfg.mixed_precision and device.type == "cuda"
+    hf_cfg = AutoConfig.from_pretrained(model_path)
+
+    def build_actor(meta):
+        lm = AutoModelForCausalLM.from_config(hf_cfg) if meta else \
+            AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        return Actor(lm)
+
+    def build_critic(meta):
+        backbone = AutoModel.from_config(hf_cfg) if meta else \
+            AutoModel.from_pretrained(model_path, dtype=torch.float32)
+        return Critic(backbone, hf_cfg.hidden_size)
+
+    actor = fsdp.load_sharded(build_actor, device, mp, cfg.activation_checkpointing)
+    critic = fsdp.load_sharded(build_critic, device, mp, cfg.activation_checkpointing)
+    return actor, critic
+
+
+def make_engine(cfg, model_path, tokenizer, device):
+    kind = cfg.engine
+    if kind == "auto":
+        import importlib.util
+        kind = "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") else "hf"
+    if kind == "vllm":
+        from vllm_engine import VLLMEngine
+        return VLLMEngine(model_path, max_model_len=cfg.context_budget + cfg.max_summary_tokens + 4096,
+                          seed=cfg.seed + dist.get_rank())
+    from model import load_policy
+    return HFEngine(load_policy(model_path, device=device), tokenizer.pad_token_id)
+
+
+def make_envs(cfg, step, rank, per_rank):
+    """This rank's share of the step's tasks: group_size rollouts per task, one env each.
+    Deterministic in (seed, step, rank), so the data position is the step number."""
+    n_tasks = per_rank // cfg.group_size
+    if cfg.task == "memory":
+        rows = memory_task.make_tasks(n_tasks, seed=(cfg.seed * 1_000_003 + step) * 1009 + rank,
+                                      n_keys=cfg.memory_keys, n_noise=cfg.memory_noise,
+                                      p_short=cfg.memory_p_short)
+        make = memory_task.MemoryEnv
+    else:
+        import swe_task
+        from env import DockerSandbox, LocalSandbox
+        all_rows = swe_task.load_tasks(cfg.tasks_path)
+        start = (step * cfg.rollouts_per_step // cfg.group_size + rank * n_tasks)
+        rows = [all_rows[(start + i) % len(all_rows)] for i in range(n_tasks)]
+        sandbox = DockerSandbox if cfg.sandbox == "docker" else LocalSandbox
+        make = lambda row: swe_task.SWEEnv(row, sandbox)  # noqa: E731
+    rows = [r for r in rows for _ in range(cfg.group_size)]
+    return [make(r) for r in rows], [r.get("task_id", r.get("instance_id")) for r in rows]
+
+
+def rollout_config(cfg, max_compactions=None):
+    """The agent loop's limits. The memory task brings its own short summary instruction."""
+    q_sum = memory_task.SUMMARY_INSTRUCTION if cfg.task == "memory" else SUMMARY_INSTRUCTION
+    return RolloutConfig(summary_instruction=q_sum, context_budget=cfg.context_budget, reserve=cfg.reserve,
+                         max_compactions=cfg.max_compactions if max_compactions is None else max_compactions,
+                         max_turns=cfg.max_turns, max_action_tokens=cfg.max_action_tokens,
+                         max_summary_tokens=cfg.max_summary_tokens, keep_last=cfg.keep_last,
+                         repeat_task=cfg.repeat_task, temperature=cfg.temperature)
+
+
+# --- batches of segments ------------------------------------------------------------------------
+
+def to_rows(segments, summaries):
+    """Per-segment 1-D tensors; per-token ones are aligned with the targets (T = L − 1)."""
+    rows = []
+    for s in segments:
+        p, n = len(s.prompt_ids), len(s.ids)
+        mask = torch.zeros(n - 1)
+        mask[p - 1:] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        if summaries == "masked":  # ablation: summary tokens out of the loss (and of N_after)
+            for kind, a, b in s.spans:
+                if kind == "summary":
+                    mask[p - 1 + a:p - 1 + b] = 0
+        lps = torch.zeros(n - 1)
+        lps[p - 1:] = torch.tensor(s.logprobs, dtype=torch.float32)
+        rows.append({"ids": torch.tensor(s.ids), "mask": mask, "sampler_logprobs": lps,
+                     "reward": s.reward, "rollout_id": s.rollout_id, "segment_index": s.segment_index})
+    return rows
+
+
+def pad(tensors, value=0.0):
+    """List of 1-D tensors -> (B, max len), right-padded."""
+    out = torch.full((len(tensors), max(len(t) for t in tensors)), value, dtype=tensors[0].dtype)
+    for i, t in enumerate(tensors):
+        out[i, :len(t)] = t
+    return out
+
+
+def micro_batches(rows, idx, max_tokens, pad_id, device, keys=()):
+    """Pack rows[idx] by the token budget; every rank gets the same number of micro-batches
+    (SPEC §4: collectives must line up), the missing ones as fully masked dummies (None)."""
+    mbs = [[idx[i] for i in mb] for mb in pack_micro_batches([len(rows[i]["ids"]) for i in idx], max_tokens)]
+    n = int(fsdp.all_reduce(len(mbs), dist.ReduceOp.MAX))
+    for mb in mbs + [None] * (n - len(mbs)):
+        if mb is None:
+            ids = torch.full((1, 2), pad_id, dtype=torch.long)
+            yield None, {"input_ids": ids.to(device), "attention": torch.ones_like(ids).to(device),
+                         "mask": torch.zeros(1, 1, device=device)}
+            continue
+        ids = pad([rows[i]["ids"] for i in mb], pad_id)
+        attn = pad([torch.ones(len(rows[i]["ids"]), dtype=torch.long) for i in mb])
+        batch = {"input_ids": ids.to(device), "attention": attn.to(device)}
+        for k in ("mask",) + tuple(keys):
+            batch[k] = pad([rows[i][k] for i in mb]).to(device)
+        yield mb, batch
+
+
+# --- (2) old log-probs and values ---------------------------------------------------------------
+
+@torch.no_grad()
+def score(actor, critic, rows, cfg, pad_id, device):
+    """log π_old and V_old at every target position, written into the rows."""
+    for mb, b in micro_batches(rows, list(range(len(rows))), cfg.micro_batch_tokens, pad_id, device):
+        lp, _ = actor(b["input_ids"], b["attention"], cfg.temperature)
+        v = critic(b["input_ids"], b["attention"])
+        for j, i in enumerate(mb or []):
+            T = len(rows[i]["mask"])
+            rows[i]["old_logprobs"] = lp[j, :T].float().cpu()
+            rows[i]["old_values"] = v[j, :T].float().cpu()
+
+
+# --- (3) advantages and returns -----------------------------------------------------------------
+
+def advantages(rows, cfg, group_ids):
+    """Â and the critic target G for every row (SPEC §3); all segments of a rollout are local."""
+    mask = pad([r["mask"] for r in rows]).double()
+    values = pad([r["old_values"] for r in rows]).double() * mask
+    rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
+    rid = torch.tensor([r["rollout_id"] for r in rows])
+    seg = torch.tensor([r["segment_index"] for r in rows])
+    n_after, total = rollout_lengths(mask, rid, seg)
+    if cfg.lam_mode == "fixed":
+        lam = cfg.lam
+    else:
+        length = total if cfg.lam_mode == "rollout" else mask.sum(1)
+        lam = adaptive_lambda(length, cfg.lam_alpha)  # (B,) one λ per rollout (or per segment)
+    if cfg.estimator == "P":
+        adv, ret = cross_trajectory_gae(values, mask, rewards, n_after, cfg.gamma, lam)
+    elif cfg.estimator == "E":
+        adv, ret = concatenated_gae(values, mask, rewards, rid, seg, cfg.gamma, lam)
+    elif cfg.estimator == "N":
+        adv, ret = segment_gae(values, mask, rewards, cfg.gamma, lam)
+    else:
+        adv = group_advantage(mask, rewards, torch.tensor(group_ids), rid)
+        ret = rewards[:, None] * mask
+    if cfg.critic_target == "mc":
+        ret = rewards[:, None] * mask
+    if cfg.whiten_advantages:
+        adv = masked_whiten(adv, mask)
+    for i, r in enumerate(rows):
+        T = len(r["mask"])
+        r["advantages"], r["returns"] = adv[i, :T].float(), ret[i, :T].float()
+    return {"adv/mean": (adv * mask).sum().item(), "adv/abs": (adv.abs() * mask).sum().item(),
+            "lambda/mean": float(torch.as_tensor(lam, dtype=torch.float64).mean())}
+
+
+# --- (4)/(5) optimization -------------------------------------------------------------------------
+
+def minibatch_indices(rows, n):
+    """Split this rank's rollouts (not segments: siblings stay together) into n mini-batches."""
+    rids = sorted({r["rollout_id"] for r in rows})
+    chunks = [rids[i * len(rids) // n:(i + 1) * len(rids) // n] for i in range(n)]
+    return [[i for i, r in enumerate(rows) if r["rollout_id"] in set(c)] for c in chunks]
+
+
+def optimize(module, optimizer, rows, idx, loss_fn, cfg, pad_id, device, keys):
+    """One optimizer step over the mini-batch rows[idx] on every rank.
+
+    The denominator (Z for the token normalizer) is all-reduced ONCE; each micro-batch adds
+    loss_sum / denom · world_size (the ×world_size undoes FSDP's gradient averaging), so the
+    result is independent of how the mini-batch is split (SPEC §4, tests/test_loss.py).
+    A non-finite loss or gradient skips the step on every rank. Returns (metric sums, skipped).
+    """
+    world = dist.get_world_size()
+    local_w = {}
+    denom_local = torch.zeros((), dtype=torch.float64)
+    if idx:
+        m = pad([rows[i]["mask"] for i in idx])
+        w, denom_local = normalizer_weights(m, torch.tensor([rows[i]["rollout_id"] for i in idx]),
+                                            cfg.normalizer)
+        for j, i in enumerate(idx):
+            local_w[i] = w[j, :len(rows[i]["mask"])]
+    denom = float(fsdp.all_reduce(denom_local))
+    if denom <= 0:
+        return {}, 0
+    for i in idx:
+        rows[i]["weights"] = local_w[i]
+    sums, loss_total = {}, torch.zeros((), dtype=torch.float64)
+    for mb, b in micro_batches(rows, idx, cfg.micro_batch_tokens, pad_id, device, keys + ("weights",)):
+        loss_sum, metrics = loss_fn(module, b)
+        (loss_sum / denom * world).backward()
+        loss_total += loss_sum.detach().double().cpu()
+        for k, v in metrics.items():
+            v = float(v)
+            sums[k] = max(sums.get(k, -math.inf), v) if k.endswith("_max") else \
+                min(sums.get(k, math.inf), v) if k.endswith("_min") else sums.get(k, 0.0) + v
+    grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.grad_clip)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    loss_total = fsdp.all_reduce(loss_total)
+    finite = bool(torch.isfinite(grad_norm).item()) and bool(torch.isfinite(loss_total).item())
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    sums["grad_norm"] = float(grad_norm)
+    sums["loss"] = float(loss_total) / denom
+    return sums, int(not finite)
+
+
+def policy_loss_fn(cfg):
+    def fn(actor, b):
+        lp, ent = actor(b["input_ids"], b["attention"], cfg.temperature)
+        T = b["mask"].shape[1]
+        lp, ent = lp[:, :T], ent[:, :T]
+        if "advantages" not in b:  # dummy micro-batch: zero loss, same collectives
+            return (lp * 0).sum(), {}
+        loss, metrics = ppo_policy_loss(lp, b["old_logprobs"], b["advantages"], b["mask"],
+                                        cfg.clip_low, cfg.clip_high, cfg.dual_clip or None,
+                                        token_weights=b["weights"])
+        ent_sum = (ent * b["mask"] * b["weights"]).sum()
+        metrics["entropy"] = (ent * b["mask"]).sum().detach()
+        return loss - cfg.entropy_coef * ent_sum, metrics
+    return fn
+
+
+def value_loss_fn(cfg):
+    def fn(critic, b):
+        v = critic(b["input_ids"], b["attention"])[:, :b["mask"].shape[1]]
+        if "returns" not in b:
+            return (v * 0).sum(), {}
+        return value_loss(v, b["old_values"], b["returns"], b["mask"], cfg.value_clip or None,
+                          token_weights=b["weights"])
+    return fn
+
+
+def sft_loss_fn(cfg):
+    def fn(actor, b):
+        lp, _ = actor(b["input_ids"], b["attention"], 1.0)
+        T = b["mask"].shape[1]
+        return -(lp[:, :T] * b["mask"] * b.get("weights", 1.0)).sum(), {"tokens": b["mask"].sum().detach()}
+    return fn
+
+
+# --- (7) metrics and logging ----------------------------------------------------------------------
+
+ENDINGS = ("submitted", "max_turns", "format_errors", "budget_exhausted", "context_overflow", "timeout")
+
+
+def rollout_metrics(episodes, rows):
+    """Sums over this rank's episodes; all-reduced, then turned into means (README: metrics)."""
+    compacted = [e for e in episodes if e.compactions > 0]
+    summary_tokens = sum(sum(b - a for k, a, b in s.spans if k == "summary")
+                         for e in episodes for s in e.segments)
+    sums = {"episodes": len(episodes), "reward": sum(e.reward for e in episodes),
+            "compactions": sum(e.compactions for e in episodes), "turns": sum(e.turns for e in episodes),
+            "segments": sum(len(e.segments) for e in episodes), "summary_tokens": summary_tokens,
+            "summaries": sum(e.compactions for e in episodes),
+            "compacted": len(compacted), "compacted_reward": sum(e.reward for e in compacted),
+            "trainable_tokens": sum(float(r["mask"].sum()) for r in rows),
+            "sampled_tokens": sum(s.n_tokens for e in episodes for s in e.segments)}
+    for end in ENDINGS:
+        sums[f"end_{end}"] = sum(e.end_reason == end for e in episodes)
+    keys = sorted(sums)
+    t = fsdp.all_reduce(torch.tensor([float(sums[k]) for k in keys]))
+    g = dict(zip(keys, t.tolist()))
+    n = max(g["episodes"], 1)
+    out = {"rollout/reward": g["reward"] / n, "rollout/compactions": g["compactions"] / n,
+           "rollout/turns": g["turns"] / n, "rollout/segments": g["segments"] / n,
+           "rollout/summary_tokens": g["summary_tokens"] / max(g["summaries"], 1),
+           "rollout/success_given_compaction": g["compacted_reward"] / max(g["compacted"], 1),
+           "rollout/truncation_rate": (g["end_budget_exhausted"] + g["end_context_overflow"]) / n,
+           "rollout/trainable_tokens": g["trainable_tokens"], "rollout/sampled_tokens": g["sampled_tokens"]}
+    out.update({f"end/{e}": g[f"end_{e}"] / n for e in ENDINGS})
+    return out
+
+
+def segment_share_metrics(rows, max_k=4):
+    """Share of |Â| mass (what drives the gradient) and mean Â per segment index k."""
+    sums = torch.zeros(2 * (max_k + 1), dtype=torch.float64)
+    for r in rows:
+        k = min(r["segment_index"], max_k)
+        sums[k] += float((r["advantages"].abs() * r["mask"]).sum())
+        sums[max_k + 1 + k] += float(r["mask"].sum())
+    g = fsdp.all_reduce(sums)
+    total = max(float(g[:max_k + 1].sum()), 1e-12)
+    out = {}
+    for k in range(max_k + 1):
+        if g[max_k + 1 + k] > 0:
+            out[f"adv/share_seg{k}"] = float(g[k]) / total
+            out[f"adv/abs_mean_seg{k}"] = float(g[k]) / float(g[max_k + 1 + k])
+    return out
+
+
+def explained_variance(rows):
+    """1 − Var(G − V) / Var(G) over trainable tokens, global."""
+    s = torch.zeros(5, dtype=torch.float64)
+    for r in rows:
+        m = r["mask"].double()
+        g, v = r["returns"].double(), r["old_values"].double()
+        s += torch.stack([m.sum(), (g * m).sum(), (g * g * m).sum(), ((g - v) * m).sum(), ((g - v) ** 2 * m).sum()])
+    n, g1, g2, d1, d2 = fsdp.all_reduce(s).tolist()
+    n = max(n, 1.0)
+    var_g = g2 / n - (g1 / n) ** 2
+    var_d = d2 / n - (d1 / n) ** 2
+    return {"value/explained_variance": 1.0 - var_d / var_g if var_g > 1e-12 else float("nan")}
+
+
+class Logger:
+    """Rank 0 writes metrics.jsonl (and TensorBoard / W&B when asked); other ranks hold a
+    do-nothing twin so the loop never branches on rank."""
+
+    def __init__(self, cfg, rank, resume):
+        self.on = rank == 0
+        self.path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        self.tb = self.wb = None
+        if not self.on:
+            return
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        if not resume and os.path.exists(self.path):
+            os.remove(self.path)
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(cfg.out_dir, "tb"))
+        if cfg.wandb:
+            import wandb
+            self.wb = wandb.init(project="compactionrl", config=asdict(cfg))
+
+    def log(self, step, metrics):
+        if not self.on:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.tb:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wb:
+            self.wb.log(metrics, step=step)
+
+    def text(self, name, content):
+        if self.on:
+            with open(os.path.join(os.path.dirname(self.path), name), "w") as f:
+                f.write(content)
+
+
+def plot_curve(metrics_path, png_path):
+    """Success (reward) per step and the compaction rate, from metrics.jsonl."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    recs = [json.loads(line) for line in open(metrics_path)]
+    recs = [r for r in recs if "rollout/reward" in r]
+    if not recs:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in recs], [r["rollout/reward"] for r in recs], label="success (reward)")
+    ax.plot([r["step"] for r in recs], [r["rollout/success_given_compaction"] for r in recs],
+            label="success | ≥1 compaction", alpha=0.7)
+    ax.set_xlabel("step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+@contextmanager
+def timed(times, name):
+    t = time.time()
+    yield
+    times[f"time/{name}"] = time.time() - t
+
+
+def reduce_sums(per_minibatch):
+    """Add metric sums over mini-batches, then over ranks (max/min for the extrema)."""
+    acc = {}
+    for sums in per_minibatch:
+        for k, v in sums.items():
+            acc[k] = max(acc.get(k, -math.inf), v) if k.endswith("_max") else \
+                min(acc.get(k, math.inf), v) if k.endswith("_min") else acc.get(k, 0.0) + v
+    out = {}
+    for k in sorted(acc):  # same order on every rank
+        op = dist.ReduceOp.MAX if k.endswith("_max") else dist.ReduceOp.MIN if k.endswith("_min") else dist.ReduceOp.SUM
+        out[k] = float(fsdp.all_reduce(acc[k], op))
+    return out
+
+
+def push_weights(actor, engine):
+    """(6) Gather the FSDP2 shards (a collective, every rank in the same order) and load the full
+    weights into this rank's rollout engine."""
+    sd = fsdp.full_state_dict(actor)
+    engine.load_weights([(k.removeprefix("lm."), v) for k, v in sd.items()])
+
+
+def format_warmup(actor, cfg, codec, tokenizer, rank, per_rank, pad_id, device, print0):
+    """Supervised steps on well-formed turns with random content (memory task; see the module
+    docstring). Episodes come from the real rollout loop, so the format includes compaction."""
+    demo = memory_task.FormatDemoEngine(tokenizer, cfg.memory_keys, seed=cfg.seed * 7919 + rank)
+    opt = torch.optim.Adam(actor.parameters(), lr=cfg.warmup_lr)
+    n = min(per_rank, 64)
+    for w in range(cfg.format_warmup_steps):
+        envs, tids = make_envs(cfg, -1 - w, rank, n * cfg.group_size)
+        eps = run_episodes(demo, codec, envs, rollout_config(cfg), list(range(len(envs))), tids)
+        rows = to_rows([s for e in eps for s in e.segments], "trained")
+        sums, _ = optimize(actor, opt, rows, list(range(len(rows))), sft_loss_fn(cfg), cfg, pad_id, device, ())
+        if w % 10 == 0 or w == cfg.format_warmup_steps - 1:
+            print0(f"format warm-up {w + 1}/{cfg.format_warmup_steps}: nll/token {sums.get('loss', 0):.3f}")
+
+
+def train_step(step, cfg, actor, critic, opt_a, opt_c, engine, codec, rank, per_rank, pad_id, device):
+    times, m = {}, {}
+    # (1) rollouts with compaction on this rank's share of tasks
+    with timed(times, "rollout"):
+        envs, task_ids = make_envs(cfg, step, rank, per_rank)
+        first = step * cfg.rollouts_per_step + rank * per_rank
+        rids = list(range(first, first + per_rank))
+        gids = [r // cfg.group_size for r in rids]
+        engine.wake_up()
+        episodes = run_episodes(engine, codec, envs, rollout_config(cfg), rids, task_ids, gids)
+        engine.sleep()
+    kept = [e for e in episodes if not (cfg.mask_truncated and e.end_reason != "submitted")]
+    rows = to_rows([s for e in kept for s in e.segments], cfg.summaries)
+    group_of = {e.rollout_id: e.group_id for e in episodes}
+    # (2) old log-probs and values
+    with timed(times, "score"):
+        score(actor, critic, rows, cfg, pad_id, device)
+    diff = sum(float(((r["old_logprobs"] - r["sampler_logprobs"]).abs() * r["mask"]).sum()) for r in rows)
+    # (3) advantages and returns
+    with timed(times, "advantage"):
+        if rows:
+            m.update(advantages(rows, cfg, [group_of[r["rollout_id"]] for r in rows]))
+    m.update(rollout_metrics(episodes, rows))
+    m["policy/sampler_logprob_diff"] = float(fsdp.all_reduce(diff)) / max(m["rollout/trainable_tokens"], 1)
+    mbs = minibatch_indices(rows, cfg.mini_batches)
+    # (4) critic updates (value pre-training: only these for the first steps)
+    skipped = 0
+    with timed(times, "critic"):
+        crit = []
+        for _ in range(cfg.critic_updates):
+            for idx in mbs:
+                sums, sk = optimize(critic, opt_c, rows, idx, value_loss_fn(cfg), cfg, pad_id, device,
+                                    ("old_values", "returns"))
+                crit.append(sums)
+                skipped += sk
+    # (5) PPO policy update, normalized by the global trainable-token count
+    pol = []
+    if step >= cfg.value_pretrain_steps:
+        with timed(times, "actor"):
+            for _ in range(cfg.ppo_epochs):
+                for idx in mbs:
+                    sums, sk = optimize(actor, opt_a, rows, idx, policy_loss_fn(cfg), cfg, pad_id, device,
+                                        ("old_logprobs", "advantages"))
+                    pol.append(sums)
+                    skipped += sk
+        # (6) push the new weights to the rollout engine
+        with timed(times, "sync"):
+            push_weights(actor, engine)
+    # (7) metrics
+    if crit:
+        m.update(finalize_metrics(reduce_sums(crit), "value"))
+    if pol:
+        m.update(finalize_metrics(reduce_sums(pol), "policy"))
+    if rows:
+        m.update(segment_share_metrics(rows))
+        m.update(explained_variance(rows))
+    m["train/skipped_steps"] = skipped
+    m.update(times)
+    m["time/step"] = sum(times.values())
+    m["time/tokens_per_s"] = m["rollout/sampled_tokens"] / max(times["time/rollout"], 1e-9)
+    return m, episodes
+
+
+def main(cfg):
+    rank, world, device = fsdp.init_distributed()
+    per_rank = finalize(cfg, world)
+    import transformers
+    transformers.utils.logging.disable_progress_bar()
+    print0 = print if rank == 0 else (lambda *a, **k: None)
+    model_path = cfg.model
+    if not model_path:  # the embedded default: written once by rank 0, read by all
+        model_path = os.path.join(cfg.out_dir, "tiny_model")
+        if rank == 0 and not os.path.exists(os.path.join(model_path, "config.json")):
+            build_tiny_model(model_path, seed=cfg.seed)
+        dist.barrier()
+    tokenizer = load_tokenizer(model_path)
+    codec = ChatCodec(tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    torch.manual_seed(cfg.seed)  # the same initial weights everywhere (only rank 0's are used)
+    actor, critic = make_models(cfg, model_path, device)
+    opt_a = torch.optim.Adam(actor.parameters(), lr=cfg.actor_lr)
+    opt_c = torch.optim.Adam(critic.parameters(), lr=cfg.critic_lr)
+    # CRUCIAL: a different sampling seed per rank, or every rank would sample the same rollouts.
+    fsdp.set_rng_state(seeded_rng(cfg.seed + rank))
+    logger = Logger(cfg, rank, cfg.resume)
+    ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
+    start = 0
+    latest = fsdp.latest_checkpoint(ckpt_root) if cfg.resume else None
+    if latest:
+        extra = fsdp.load_checkpoint(latest, {"actor": actor, "critic": critic},
+                                     {"actor": opt_a, "critic": opt_c})
+        start = extra["step"] + 1
+        fsdp.set_rng_state(extra["rng"])
+        print0(f"resumed from {latest} at step {start}")
+    engine = make_engine(cfg, model_path, tokenizer, device)
+    if start == 0 and cfg.format_warmup_steps:
+        format_warmup(actor, cfg, codec, tokenizer, rank, per_rank, pad_id, device, print0)
+    push_weights(actor, engine)
+    print0(f"world {world} · {per_rank} rollouts/rank · model {model_path} · task {cfg.task} · "
+           f"estimator {cfg.estimator} · normalizer {cfg.normalizer}")
+    from tqdm import tqdm
+    bar = tqdm(range(start, cfg.steps), disable=rank != 0, initial=start, total=cfg.steps)
+    for step in bar:
+        metrics, episodes = train_step(step, cfg, actor, critic, opt_a, opt_c, engine, codec, rank,
+                                       per_rank, pad_id, device)
+        logger.log(step, metrics)
+        bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", comp=f"{metrics['rollout/compactions']:.2f}",
+                        s=f"{metrics['time/step']:.1f}")
+        if step % cfg.dump_every == 0 or step == cfg.steps - 1:
+            sample = sorted(episodes, key=lambda e: -e.compactions)[:2] + episodes[-1:]
+            logger.text(f"samples_step{step:05d}.txt",
+                        "\n\n".join(format_episode(e, lambda ids: tokenizer.decode(ids)) for e in sample))
+            if rank == 0:
+                plot_curve(logger.path, os.path.join(cfg.out_dir, "curve.png"))
+        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step == cfg.steps - 1:
+            fsdp.save_checkpoint(ckpt_root, step, {"actor": actor, "critic": critic},
+                                 {"actor": opt_a, "critic": opt_c},
+                                 {"step": step, "rng": fsdp.rng_state(), "config": asdict(cfg)},
+                                 keep=cfg.keep_checkpoints)
+    if cfg.export_hf:
+        export(actor, model_path, tokenizer, os.path.join(cfg.out_dir, "hf"), rank)
+        print0(f"exported the policy to {os.path.join(cfg.out_dir, 'hf')}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def seeded_rng(seed):
+    import random
+    import numpy as np
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+    return fsdp.rng_state()
+
+
+def export(actor, model_path, tokenizer, out_dir, rank):
+    """save_pretrained of the current policy (full weights gathered to rank 0)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    sd = fsdp.full_state_dict(actor, cpu_offload=True)
+    if rank == 0:
+        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        lm.load_state_dict({k.removeprefix("lm."): v for k, v in sd.items()})
+        export_pretrained(lm, tokenizer, out_dir)
+
+
+if __name__ == "__main__":
+    import tyro
+    main(tyro.cli(Config))
