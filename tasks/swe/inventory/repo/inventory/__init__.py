@@ -1,0 +1,4 @@
+from inventory.report import report
+from inventory.store import Inventory
+
+__all__ = ["Inventory", "report"]

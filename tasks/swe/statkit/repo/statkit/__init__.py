@@ -1,0 +1,3 @@
+from statkit.summary import mean, median, spread
+
+__all__ = ["mean", "median", "spread"]
