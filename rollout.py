@@ -173,6 +173,7 @@ class RolloutConfig:
     keep_last: int = 2  # k tail steps kept verbatim
     repeat_task: bool = True
     temperature: float = 1.0
+    max_observation_tokens: int = 1024  # an observation longer than this is cut in the middle
     max_format_errors: int = 3
     max_seconds: float = 0.0  # wall time per episode, 0 = no limit
     env_workers: int = 8  # threads stepping environments (sandbox commands) in parallel
@@ -281,9 +282,24 @@ def _act(engine, codec, live, cfg, pool):
         if step.done:
             _end(s, "submitted")
             continue
-        eo = codec.close(g.token_ids) + codec.message({"role": "user", "content": step.observation})
+        obs = clip_tokens(codec, step.observation, cfg.max_observation_tokens)
+        eo = codec.close(g.token_ids) + codec.message({"role": "user", "content": obs})
         s.seg.append(eo, "observation")
         s.steps.append((g.token_ids, eo))
+
+
+def clip_tokens(codec, text, max_tokens):
+    """Keep the first and last max_tokens/2 tokens of a long observation, with a marker between.
+
+    Why: the observation that closes a window may push it past C (the trigger is checked after
+    the step); capping it bounds the longest prompt the engine ever sees to
+    C + max_observation_tokens + |q_sum| + max_summary_tokens (see train.max_model_len)."""
+    ids = codec.encode(text)
+    if len(ids) <= max_tokens:
+        return text
+    marker = f"\n[... {len(ids) - max_tokens} tokens elided ...]\n"
+    half = max(0, (max_tokens - len(codec.encode(marker))) // 2)
+    return codec.decode(ids[:half]) + marker + codec.decode(ids[len(ids) - half:])
 
 
 def _score(s):

@@ -9,8 +9,8 @@ import torch
 import memory_task
 from compaction import resume_text
 from model import Actor, ChatCodec, build_tiny_model, load_policy, load_tokenizer
-from rollout import (Generation, HFEngine, RolloutConfig, collate, format_episode, pack_micro_batches,
-                     run_episodes)
+from rollout import (Generation, HFEngine, RolloutConfig, clip_tokens, collate, format_episode,
+                     pack_micro_batches, run_episodes)
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +198,33 @@ def test_pack_micro_batches_respects_budget():
     assert sorted(i for mb in mbs for i in mb) == list(range(len(lengths)))
     for mb in mbs:
         assert len(mb) * max(lengths[i] for i in mb) <= 120 or len(mb) == 1
+
+
+def test_long_observations_are_clipped_so_windows_stay_bounded(tiny):
+    tok, codec, _ = tiny
+    assert clip_tokens(codec, "short", 40) == "short"
+    clipped = clip_tokens(codec, "line 123\n" * 500, 40)
+    assert "tokens elided" in clipped and len(codec.encode(clipped)) <= 40 + 2  # BPE may re-merge
+    assert clipped.startswith("line 123")
+
+    class Flood:
+        def reset(self):
+            return [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+
+        def step(self, action):
+            from env import Step
+            return Step("x y z " * 2000, False)
+
+        def reward(self):
+            return 0.0
+
+        def close(self):
+            pass
+
+    cfg = config(max_observation_tokens=32, max_turns=8)
+    engine = ScriptedEngine(tok, lambda t: "ok")
+    eps = run_episodes(engine, codec, [Flood()], cfg, [0], ["flood"])
+    longest = max(len(p) for p, _ in engine.calls)
+    # C + one capped observation (+ its message glue) + q_sum: never the 6000-token flood
+    assert longest <= cfg.context_budget + 32 + 40, longest
+    assert eps[0].compactions >= 1
