@@ -44,6 +44,12 @@ class Config:
     # --- model and task -------------------------------------------------------------------
     model: str = ""
     """Policy checkpoint: Hugging Face id or local path. Empty = build the embedded tiny model."""
+    tiny_hidden: int = 64
+    """Embedded tiny model (when --model is empty): hidden size."""
+    tiny_layers: int = 2
+    """Embedded tiny model: decoder layers."""
+    tiny_heads: int = 2
+    """Embedded tiny model: attention heads (head_dim is 32, what vLLM's CPU backend accepts)."""
     task: Literal["memory", "swe"] = "memory"
     """memory: the built-in CPU task (memory_task.py); swe: SWE task rows from `tasks_path`."""
     tasks_path: str = "tasks/swe/tasks.jsonl"
@@ -69,6 +75,8 @@ class Config:
     """Cap on one action. Paper: 10240."""
     max_summary_tokens: int = 6
     """Cap on one summary. Paper: 10240."""
+    max_observation_tokens: int = 1024
+    """Cap on one observation (head and tail kept). Not stated in the paper."""
     keep_last: int = 2
     """k, recent atomic steps kept verbatim after compaction (eq. 9). Paper: 2."""
     repeat_task: bool = True
@@ -168,7 +176,7 @@ def finalize(cfg, world):
     assert per_rank % cfg.group_size == 0, \
         f"rollouts per rank ({per_rank}) must be a multiple of group_size ({cfg.group_size}): groups stay on one rank"
     assert cfg.estimator != "G" or cfg.group_size > 1, "estimator G needs group_size > 1"
-    assert cfg.reserve > cfg.max_action_tokens, "reserve must exceed max_action_tokens (eq. 7: a response always fits)"
+    assert cfg.reserve >= cfg.max_action_tokens, "reserve must be >= max_action_tokens (eq. 7: a response always fits)"
     assert cfg.format_warmup_steps == 0 or cfg.task == "memory", "format warm-up exists for the memory task only"
     return per_rank
 
@@ -202,10 +210,16 @@ def make_engine(cfg, model_path, tokenizer, device):
         kind = "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") else "hf"
     if kind == "vllm":
         from vllm_engine import VLLMEngine
-        return VLLMEngine(model_path, max_model_len=cfg.context_budget + cfg.max_summary_tokens + 4096,
-                          seed=cfg.seed + dist.get_rank())
+        return VLLMEngine(model_path, max_model_len=max_model_len(cfg), seed=cfg.seed + dist.get_rank())
     from model import load_policy
     return HFEngine(load_policy(model_path, device=device), tokenizer.pad_token_id)
+
+
+def max_model_len(cfg):
+    """The longest sequence the engine can see: a window may pass C by one capped observation
+    before the trigger fires (eq. 7 is checked after each step); then q_sum and the summary.
+    1024 tokens of slack cover q_sum and the chat-template glue."""
+    return cfg.context_budget + cfg.max_observation_tokens + cfg.max_summary_tokens + 1024
 
 
 def make_envs(cfg, step, rank, per_rank):
@@ -219,11 +233,10 @@ def make_envs(cfg, step, rank, per_rank):
         make = memory_task.MemoryEnv
     else:
         import swe_task
-        from env import DockerSandbox, LocalSandbox
         all_rows = swe_task.load_tasks(cfg.tasks_path)
         start = (step * cfg.rollouts_per_step // cfg.group_size + rank * n_tasks)
         rows = [all_rows[(start + i) % len(all_rows)] for i in range(n_tasks)]
-        sandbox = DockerSandbox if cfg.sandbox == "docker" else LocalSandbox
+        sandbox = swe_task.docker_sandbox_factory() if cfg.sandbox == "docker" else swe_task.local_sandbox_factory()
         make = lambda row: swe_task.SWEEnv(row, sandbox)  # noqa: E731
     rows = [r for r in rows for _ in range(cfg.group_size)]
     return [make(r) for r in rows], [r.get("task_id", r.get("instance_id")) for r in rows]
@@ -236,6 +249,7 @@ def rollout_config(cfg, max_compactions=None):
                          max_compactions=cfg.max_compactions if max_compactions is None else max_compactions,
                          max_turns=cfg.max_turns, max_action_tokens=cfg.max_action_tokens,
                          max_summary_tokens=cfg.max_summary_tokens, keep_last=cfg.keep_last,
+                         max_observation_tokens=cfg.max_observation_tokens,
                          repeat_task=cfg.repeat_task, temperature=cfg.temperature)
 
 
@@ -350,7 +364,9 @@ def optimize(module, optimizer, rows, idx, loss_fn, cfg, pad_id, device, keys):
     The denominator (Z for the token normalizer) is all-reduced ONCE; each micro-batch adds
     loss_sum / denom · world_size (the ×world_size undoes FSDP's gradient averaging), so the
     result is independent of how the mini-batch is split (SPEC §4, tests/test_loss.py).
-    A non-finite loss or gradient skips the step on every rank. Returns (metric sums, skipped).
+    A non-finite loss or gradient skips the step on every rank. Returns (metric sums over this
+    rank's tokens, {"loss", "grad_norm"} of the step — global values, the same on every rank —,
+    1 if the step was skipped else 0).
     """
     world = dist.get_world_size()
     local_w = {}
@@ -363,7 +379,7 @@ def optimize(module, optimizer, rows, idx, loss_fn, cfg, pad_id, device, keys):
             local_w[i] = w[j, :len(rows[i]["mask"])]
     denom = float(fsdp.all_reduce(denom_local))
     if denom <= 0:
-        return {}, 0
+        return {}, {}, 0
     for i in idx:
         rows[i]["weights"] = local_w[i]
     sums, loss_total = {}, torch.zeros((), dtype=torch.float64)
@@ -382,9 +398,7 @@ def optimize(module, optimizer, rows, idx, loss_fn, cfg, pad_id, device, keys):
     if finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    sums["grad_norm"] = float(grad_norm)
-    sums["loss"] = float(loss_total) / denom
-    return sums, int(not finite)
+    return sums, {"loss": float(loss_total) / denom, "grad_norm": float(grad_norm)}, int(not finite)
 
 
 def policy_loss_fn(cfg):
@@ -582,9 +596,10 @@ def format_warmup(actor, cfg, codec, tokenizer, rank, per_rank, pad_id, device, 
         envs, tids = make_envs(cfg, -1 - w, rank, n * cfg.group_size)
         eps = run_episodes(demo, codec, envs, rollout_config(cfg), list(range(len(envs))), tids)
         rows = to_rows([s for e in eps for s in e.segments], "trained")
-        sums, _ = optimize(actor, opt, rows, list(range(len(rows))), sft_loss_fn(cfg), cfg, pad_id, device, ())
+        _, stats, _ = optimize(actor, opt, rows, list(range(len(rows))), sft_loss_fn(cfg), cfg, pad_id,
+                              device, ())
         if w % 10 == 0 or w == cfg.format_warmup_steps - 1:
-            print0(f"format warm-up {w + 1}/{cfg.format_warmup_steps}: nll/token {sums.get('loss', 0):.3f}")
+            print0(f"format warm-up {w + 1}/{cfg.format_warmup_steps}: nll/token {stats.get('loss', 0):.3f}")
 
 
 def train_step(step, cfg, actor, critic, opt_a, opt_c, engine, codec, rank, per_rank, pad_id, device):
@@ -613,33 +628,37 @@ def train_step(step, cfg, actor, critic, opt_a, opt_c, engine, codec, rank, per_
     m["policy/sampler_logprob_diff"] = float(fsdp.all_reduce(diff)) / max(m["rollout/trainable_tokens"], 1)
     mbs = minibatch_indices(rows, cfg.mini_batches)
     # (4) critic updates (value pre-training: only these for the first steps)
-    skipped = 0
+    skipped, crit, crit_steps = 0, [], []
     with timed(times, "critic"):
-        crit = []
         for _ in range(cfg.critic_updates):
             for idx in mbs:
-                sums, sk = optimize(critic, opt_c, rows, idx, value_loss_fn(cfg), cfg, pad_id, device,
-                                    ("old_values", "returns"))
+                sums, stats, sk = optimize(critic, opt_c, rows, idx, value_loss_fn(cfg), cfg, pad_id,
+                                           device, ("old_values", "returns"))
                 crit.append(sums)
+                crit_steps.append(stats)
                 skipped += sk
     # (5) PPO policy update, normalized by the global trainable-token count
-    pol = []
+    pol, pol_steps = [], []
     if step >= cfg.value_pretrain_steps:
         with timed(times, "actor"):
             for _ in range(cfg.ppo_epochs):
                 for idx in mbs:
-                    sums, sk = optimize(actor, opt_a, rows, idx, policy_loss_fn(cfg), cfg, pad_id, device,
-                                        ("old_logprobs", "advantages"))
+                    sums, stats, sk = optimize(actor, opt_a, rows, idx, policy_loss_fn(cfg), cfg, pad_id,
+                                               device, ("old_logprobs", "advantages"))
                     pol.append(sums)
+                    pol_steps.append(stats)
                     skipped += sk
         # (6) push the new weights to the rollout engine
         with timed(times, "sync"):
             push_weights(actor, engine)
     # (7) metrics
-    if crit:
-        m.update(finalize_metrics(reduce_sums(crit), "value"))
-    if pol:
-        m.update(finalize_metrics(reduce_sums(pol), "policy"))
+    for prefix, sums, steps in (("value", crit, crit_steps), ("policy", pol, pol_steps)):
+        if sums:
+            m.update(finalize_metrics(reduce_sums(sums), prefix))
+        for k in ("loss", "grad_norm"):
+            vals = [s[k] for s in steps if k in s]
+            if vals:
+                m[f"{prefix}/{k}"] = sum(vals) / len(vals)
     if rows:
         m.update(segment_share_metrics(rows))
         m.update(explained_variance(rows))
@@ -660,7 +679,8 @@ def main(cfg):
     if not model_path:  # the embedded default: written once by rank 0, read by all
         model_path = os.path.join(cfg.out_dir, "tiny_model")
         if rank == 0 and not os.path.exists(os.path.join(model_path, "config.json")):
-            build_tiny_model(model_path, seed=cfg.seed)
+            build_tiny_model(model_path, hidden_size=cfg.tiny_hidden, num_layers=cfg.tiny_layers,
+                             num_heads=cfg.tiny_heads, intermediate_size=4 * cfg.tiny_hidden, seed=cfg.seed)
         dist.barrier()
     tokenizer = load_tokenizer(model_path)
     codec = ChatCodec(tokenizer)

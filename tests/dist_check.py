@@ -1,0 +1,83 @@
+"""One critic + policy update of train.py's machinery on a FIXED global batch of segments, under
+torchrun with any number of ranks; rank 0 saves the gradients and the updated weights.
+
+    torchrun --standalone --nproc_per_node=2 tests/dist_check.py OUT.pt MODEL_DIR
+
+tests/test_train.py runs it with 1 and 2 ranks and checks that both give the same result, and that
+the gradient equals that of the global token-mean loss computed in one plain pass.
+"""
+import os
+import random
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fsdp  # noqa: E402
+import train  # noqa: E402
+from rollout import Segment  # noqa: E402
+
+
+def fixed_segments(vocab, n_rollouts=7, seed=0):
+    """Rollouts of 1–3 segments with random ids, masks with observation gaps, and rewards."""
+    rng = random.Random(seed)
+    segs = []
+    for r in range(n_rollouts):
+        reward = float(rng.random() < 0.5)
+        for k in range(rng.randint(1, 3)):
+            s = Segment(prompt_ids=[rng.randrange(3, vocab) for _ in range(rng.randint(2, 9))],
+                        rollout_id=r, segment_index=k, reward=reward)
+            for _ in range(rng.randint(1, 4)):
+                n = rng.randint(1, 6)
+                s.append([rng.randrange(3, vocab) for _ in range(n)], "action", [-1.0] * n)
+                s.append([rng.randrange(3, vocab) for _ in range(rng.randint(1, 5))], "observation")
+            segs.append(s)
+    return segs
+
+
+class GradRecorder:
+    """Stands in for the optimizer in `train.optimize`: records the full gradients, changes nothing."""
+
+    def __init__(self, module):
+        self.module, self.grads = module, None
+
+    def step(self):
+        self.grads = {n: p.grad.full_tensor().clone() for n, p in self.module.named_parameters()}
+
+    def zero_grad(self, set_to_none=True):
+        self.module.zero_grad(set_to_none=set_to_none)
+
+
+def main(out_path, model_dir):
+    rank, world, device = fsdp.init_distributed()
+    # grad_clip off: the recorder must see the raw gradient, not the clipped one
+    cfg = train.Config(model=model_dir, micro_batch_tokens=48, entropy_coef=0.0, lam_mode="fixed",
+                       lam=0.9, gamma=1.0, grad_clip=1e9)
+    from model import load_tokenizer
+    tok = load_tokenizer(model_dir)
+    actor, critic = train.make_models(cfg, model_dir, device)
+    segs = fixed_segments(len(tok))
+    mine = [s for s in segs if s.rollout_id % world == rank]  # a rollout's segments stay together
+    rows = train.to_rows(mine, "trained")
+    train.score(actor, critic, rows, cfg, tok.pad_token_id, device)
+    train.advantages(rows, cfg, [r["rollout_id"] for r in rows])
+    idx = list(range(len(rows)))
+    rec = GradRecorder(actor)
+    train.optimize(actor, rec, rows, idx, train.policy_loss_fn(cfg), cfg, tok.pad_token_id, device,
+                   ("old_logprobs", "advantages"))
+    opt_a = torch.optim.Adam(actor.parameters(), lr=1e-3)
+    opt_c = torch.optim.Adam(critic.parameters(), lr=1e-3)
+    train.optimize(critic, opt_c, rows, idx, train.value_loss_fn(cfg), cfg, tok.pad_token_id, device,
+                   ("old_values", "returns"))
+    train.optimize(actor, opt_a, rows, idx, train.policy_loss_fn(cfg), cfg, tok.pad_token_id, device,
+                   ("old_logprobs", "advantages"))
+    actor_sd = fsdp.full_state_dict(actor, cpu_offload=True)
+    critic_sd = fsdp.full_state_dict(critic, cpu_offload=True)
+    if rank == 0:
+        torch.save({"grads": rec.grads, "actor": actor_sd, "critic": critic_sd}, out_path)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,100 @@
+"""train.py end to end: one process and `torchrun --nproc_per_node=2` (gloo); 1 rank vs 2 ranks
+on the same global batch; the optimized loss is the global token mean; resume is exact.
+
+Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_train.py   (about 2 minutes on 2 cores)
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+from advantage import cross_trajectory_gae, rollout_lengths
+from loss import ppo_policy_loss
+from model import build_tiny_model, load_policy, load_tokenizer, token_logprobs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--rollouts-per-step", "8", "--format-warmup-steps", "2", "--value-pretrain-steps", "1",
+         "--mini-batches", "2", "--micro-batch-tokens", "2048"]
+
+
+def run(args, nproc=None, timeout=600):
+    launcher = [sys.executable] if nproc is None else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    p = subprocess.run(launcher + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"{' '.join(args)} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    return p
+
+
+def metrics(out):
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+@pytest.mark.parametrize("nproc", [None, 2])
+def test_end_to_end(tmp_path, nproc):
+    out = str(tmp_path / "run")
+    run(["train.py", "--steps", "2", "--out-dir", out, "--save-every", "1", "--keep-checkpoints", "1",
+         "--dump-every", "1"] + SMALL, nproc)
+    recs = metrics(out)
+    assert [r["step"] for r in recs] == [0, 1]
+    for key in ("rollout/reward", "rollout/compactions", "rollout/summary_tokens", "rollout/truncation_rate",
+                "rollout/success_given_compaction", "rollout/trainable_tokens", "value/explained_variance",
+                "time/rollout", "time/tokens_per_s", "adv/share_seg0"):
+        assert key in recs[-1], key
+    assert "policy/clipfrac" in recs[1] and "policy/approx_kl" in recs[1]  # step 1: first policy update
+    assert "policy/clipfrac" not in recs[0]  # step 0: value pre-training only
+    assert recs[1]["policy/sampler_logprob_diff"] < 1e-4  # the trainer sees what the sampler saw
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step_00000001"]  # keep = 1
+    assert os.path.exists(os.path.join(out, "curve.png"))
+    assert "TRAIN action" in open(os.path.join(out, "samples_step00001.txt")).read()
+    load_policy(os.path.join(out, "hf"))  # the export loads in transformers
+
+
+def test_one_rank_equals_two_ranks_and_loss_is_the_global_token_mean(tmp_path):
+    model = str(tmp_path / "model")
+    build_tiny_model(model)
+    res = {}
+    for n in (1, 2):
+        run(["tests/dist_check.py", str(tmp_path / f"out{n}.pt"), model], nproc=n)
+        res[n] = torch.load(tmp_path / f"out{n}.pt")
+    for part in ("actor", "critic"):
+        for k, v in res[1][part].items():
+            torch.testing.assert_close(res[2][part][k], v, atol=2e-6, rtol=1e-5, msg=f"{part} {k}")
+    # the gradient FSDP produced = the gradient of (1/Z) Σ PPO loss over the whole batch, one pass
+    from tests.dist_check import fixed_segments
+    tok = load_tokenizer(model)
+    rows = train.to_rows(fixed_segments(len(tok)), "trained")
+    mask = train.pad([r["mask"] for r in rows]).double()
+    rid = torch.tensor([r["rollout_id"] for r in rows])
+    n_after, _ = rollout_lengths(mask, rid, torch.tensor([r["segment_index"] for r in rows]))
+    rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
+    adv, _ = cross_trajectory_gae(torch.zeros_like(mask), mask, rewards, n_after, 1.0, 0.9)  # V ≡ 0 at init
+    lm = load_policy(model)
+    ids = train.pad([r["ids"] for r in rows], tok.pad_token_id)
+    attn = train.pad([torch.ones(len(r["ids"]), dtype=torch.long) for r in rows])
+    lp, _ = token_logprobs(lm, ids, attn, ids[:, 1:])
+    loss, _ = ppo_policy_loss(lp, lp.detach(), adv.float(), mask.float())
+    (loss / mask.sum()).backward()
+    for name, p in lm.named_parameters():
+        for n in (1, 2):
+            torch.testing.assert_close(res[n]["grads"][f"lm.{name}"], p.grad, atol=1e-6, rtol=1e-4,
+                                       msg=f"{n} ranks: {name}")
+
+
+def test_resume_is_exact(tmp_path):
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    common = SMALL + ["--save-every", "0"]
+    run(["train.py", "--steps", "4", "--out-dir", straight] + common)
+    run(["train.py", "--steps", "2", "--out-dir", split] + common)
+    run(["train.py", "--steps", "4", "--out-dir", split, "--resume"] + common)
+    a, b = load_policy(os.path.join(straight, "hf")), load_policy(os.path.join(split, "hf"))
+    for (k, v), (_, w) in zip(a.state_dict().items(), b.state_dict().items()):
+        torch.testing.assert_close(v, w, atol=0, rtol=0, msg=k)
+    ra, rb = metrics(straight), metrics(split)
+    assert [r["step"] for r in rb] == [0, 1, 2, 3]
+    for x, y in zip(ra, rb):
+        assert x["rollout/reward"] == y["rollout/reward"] and x["rollout/turns"] == y["rollout/turns"]
