@@ -15,15 +15,16 @@ noise steps, the resume keeps the last k steps (the key is never among them), an
 survives only if the policy's own summary carries it. With K = 0 compactions the budget runs out
 and the reward is 0.
 
-`p_short` mixes in short episodes whose question comes before any compaction (n_noise_short
-steps): they teach "answer with the key in context" without needing a summary, the cheapest
-lever against the coordination saddle found in notes/toy-memory-task (RL only, no labels).
+`p_short` mixes in short episodes whose question comes before any compaction (0 to
+max_noise_short distractors, so the key's position varies and the policy must find it by content,
+not by offset): they teach "answer with the key in context" without needing a summary, the
+cheapest lever against the coordination saddle found in notes/toy-memory-task (RL only, no labels).
 """
 import random
 
 from env import Step
 
-SYSTEM = "Remember the key. When asked, answer with the key."
+SYSTEM = "Remember the key; answer it when asked."
 TASK = "Task: memory."
 QUESTION = "answer?"
 # The task's own, short summary instruction: the general one (compaction.SUMMARY_INSTRUCTION,
@@ -37,13 +38,13 @@ def symbols(n):
     return [chr(ord("A") + i) for i in range(n)]
 
 
-def make_tasks(n, seed, n_keys=4, n_noise=6, p_short=0.0, n_noise_short=1):
+def make_tasks(n, seed, n_keys=4, n_noise=6, p_short=0.0, max_noise_short=2):
     """n task rows: {"task_id", "key", "noise": [symbols]}; the key is uniform over n_keys."""
     rng = random.Random(seed)
     alphabet = symbols(n_keys)
     rows = []
     for i in range(n):
-        steps = n_noise_short if rng.random() < p_short else n_noise
+        steps = rng.randint(0, max_noise_short) if rng.random() < p_short else n_noise
         rows.append({"task_id": f"memory-{seed}-{i}", "key": rng.choice(alphabet),
                      "noise": [rng.choice(alphabet) for _ in range(steps)]})
     return rows

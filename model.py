@@ -108,9 +108,9 @@ class Actor(nn.Module):
         self.lm = lm
         self.chunk_size = chunk_size
 
-    def forward(self, input_ids, attention_mask, temperature=1.0):
+    def forward(self, input_ids, attention_mask, temperature=1.0, mask=None):
         return token_logprobs(self.lm, input_ids, attention_mask, input_ids[:, 1:], temperature,
-                              self.chunk_size)
+                              self.chunk_size, mask)
 
 
 class Critic(nn.Module):
@@ -136,32 +136,39 @@ def load_critic(path, dtype=torch.float32, device="cpu"):
     return Critic(backbone, cfg.hidden_size).to(device=device, dtype=dtype)
 
 
-def token_logprobs(model, input_ids, attention, targets, temperature=1.0, chunk_size=512):
+def token_logprobs(model, input_ids, attention, targets, temperature=1.0, chunk_size=512, mask=None):
     """log softmax(logits / temperature) of each target token, and the entropy at each position.
 
-    input_ids, attention: (B, L); targets: (B, T) with T = L − 1 (the next tokens).
-    The LM head runs on chunks of `chunk_size` positions and, under autograd, each chunk is
-    recomputed in backward (activation checkpointing), so memory stays O(B·chunk·V), not O(B·T·V).
+    input_ids, attention: (B, L); targets: (B, T) with T = L − 1 (the next tokens); mask: optional
+    (B, T) — when given, the LM head runs only where mask is nonzero (trainable tokens are a small
+    part of an agent's context) and the other positions are 0.
+    The head runs on chunks of `chunk_size` positions and, under autograd, each chunk is
+    recomputed in backward (activation checkpointing), so memory stays O(chunk·V), not O(B·T·V).
     Returns (logprobs, entropy), both (B, T) float32.
     """
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention).last_hidden_state
     hidden = hidden[:, :-1]  # (B, T, H): the state before each target
+    B, T = targets.shape
+    keep = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask[:, :T] != 0
+    h, y = hidden[keep], targets[keep]  # (N, H), (N,)
     head = model.get_output_embeddings()
     lps, ents = [], []
-    for s in range(0, hidden.shape[1], chunk_size):
-        h, y = hidden[:, s:s + chunk_size], targets[:, s:s + chunk_size]
+    for s in range(0, max(len(y), 1), chunk_size):
         if torch.is_grad_enabled():
-            lp, ent = checkpoint(_head_logprobs, head, h, y, temperature, use_reentrant=False)
+            lp, ent = checkpoint(_head_logprobs, head, h[s:s + chunk_size], y[s:s + chunk_size],
+                                 temperature, use_reentrant=False)
         else:
-            lp, ent = _head_logprobs(head, h, y, temperature)
+            lp, ent = _head_logprobs(head, h[s:s + chunk_size], y[s:s + chunk_size], temperature)
         lps.append(lp)
         ents.append(ent)
-    return torch.cat(lps, dim=1), torch.cat(ents, dim=1)
+    lp_all = hidden.new_zeros(B, T, dtype=torch.float32).masked_scatter(keep, torch.cat(lps))
+    ent_all = hidden.new_zeros(B, T, dtype=torch.float32).masked_scatter(keep, torch.cat(ents))
+    return lp_all, ent_all
 
 
 def _head_logprobs(head, h, y, temperature):
-    logp = F.log_softmax(head(h).float() / temperature, dim=-1)  # (B, c, V)
-    entropy = -(logp.exp() * logp).sum(-1)  # (B, c)
+    logp = F.log_softmax(head(h).float() / temperature, dim=-1)  # (c, V)
+    entropy = -(logp.exp() * logp).sum(-1)  # (c,)
     return logp.gather(-1, y.unsqueeze(-1)).squeeze(-1), entropy
 
 

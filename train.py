@@ -44,11 +44,11 @@ class Config:
     # --- model and task -------------------------------------------------------------------
     model: str = ""
     """Policy checkpoint: Hugging Face id or local path. Empty = build the embedded tiny model."""
-    tiny_hidden: int = 64
+    tiny_hidden: int = 128
     """Embedded tiny model (when --model is empty): hidden size."""
     tiny_layers: int = 2
     """Embedded tiny model: decoder layers."""
-    tiny_heads: int = 2
+    tiny_heads: int = 4
     """Embedded tiny model: attention heads (head_dim is 32, what vLLM's CPU backend accepts)."""
     task: Literal["memory", "swe"] = "memory"
     """memory: the built-in CPU task (memory_task.py); swe: SWE task rows from `tasks_path`."""
@@ -60,7 +60,7 @@ class Config:
     """Memory task: number of possible keys (chance success = 1/memory_keys)."""
     memory_noise: int = 6
     """Memory task: distractor steps between the key and the question."""
-    memory_p_short: float = 0.25
+    memory_p_short: float = 0.5
     """Memory task: fraction of short episodes whose question comes before any compaction."""
     # --- rollout with compaction (SPEC §1) --------------------------------------------------
     context_budget: int = 128
@@ -123,9 +123,9 @@ class Config:
     """Dual-clip constant c for Â < 0; 0 = off."""
     value_clip: float = 0.2
     """ε_v for the clipped value loss; 0 = off."""
-    entropy_coef: float = 0.01
-    """Entropy bonus. Paper: 0 (none); the tiny CPU model needs 0.01 (notes/toy-memory-task)."""
-    actor_lr: float = 3e-3
+    entropy_coef: float = 0.0
+    """Entropy bonus. Paper: 0 (none). (Over a 1024-token vocabulary even 0.01 wrecks the format.)"""
+    actor_lr: float = 1e-3
     """Actor Adam lr. Paper: 2e-6."""
     critic_lr: float = 3e-3
     """Critic Adam lr. Paper: 3e-6."""
@@ -306,7 +306,7 @@ def micro_batches(rows, idx, max_tokens, pad_id, device, keys=()):
 def score(actor, critic, rows, cfg, pad_id, device):
     """log π_old and V_old at every target position, written into the rows."""
     for mb, b in micro_batches(rows, list(range(len(rows))), cfg.micro_batch_tokens, pad_id, device):
-        lp, _ = actor(b["input_ids"], b["attention"], cfg.temperature)
+        lp, _ = actor(b["input_ids"], b["attention"], cfg.temperature, b["mask"])
         v = critic(b["input_ids"], b["attention"])
         for j, i in enumerate(mb or []):
             T = len(rows[i]["mask"])
@@ -403,7 +403,7 @@ def optimize(module, optimizer, rows, idx, loss_fn, cfg, pad_id, device, keys):
 
 def policy_loss_fn(cfg):
     def fn(actor, b):
-        lp, ent = actor(b["input_ids"], b["attention"], cfg.temperature)
+        lp, ent = actor(b["input_ids"], b["attention"], cfg.temperature, b["mask"])
         T = b["mask"].shape[1]
         lp, ent = lp[:, :T], ent[:, :T]
         if "advantages" not in b:  # dummy micro-batch: zero loss, same collectives
@@ -429,7 +429,7 @@ def value_loss_fn(cfg):
 
 def sft_loss_fn(cfg):
     def fn(actor, b):
-        lp, _ = actor(b["input_ids"], b["attention"], 1.0)
+        lp, _ = actor(b["input_ids"], b["attention"], 1.0, b["mask"])
         T = b["mask"].shape[1]
         return -(lp[:, :T] * b["mask"] * b.get("weights", 1.0)).sum(), {"tokens": b["mask"].sum().detach()}
     return fn

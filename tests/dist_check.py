@@ -74,8 +74,16 @@ def main(out_path, model_dir):
                    ("old_logprobs", "advantages"))
     actor_sd = fsdp.full_state_dict(actor, cpu_offload=True)
     critic_sd = fsdp.full_state_dict(critic, cpu_offload=True)
+    # a non-finite advantage on ONE rank: every rank skips the step and the weights stay as they were
+    if rank == world - 1 and rows:
+        rows[0]["advantages"] = rows[0]["advantages"] * float("nan")
+    _, stats, skipped = train.optimize(actor, opt_a, rows, idx, train.policy_loss_fn(cfg), cfg,
+                                       tok.pad_token_id, device, ("old_logprobs", "advantages"))
+    after = fsdp.full_state_dict(actor, cpu_offload=True)
+    unchanged = all(torch.equal(after[k], actor_sd[k]) for k in actor_sd) if rank == 0 else None
     if rank == 0:
-        torch.save({"grads": rec.grads, "actor": actor_sd, "critic": critic_sd}, out_path)
+        torch.save({"grads": rec.grads, "actor": actor_sd, "critic": critic_sd,
+                    "nan_step_skipped": skipped, "nan_step_unchanged": unchanged}, out_path)
     torch.distributed.destroy_process_group()
 
 

@@ -63,6 +63,13 @@ def test_chunked_logprobs_equal_full_log_softmax(tiny, temperature):
         lp, ent = token_logprobs(lm, ids, attn, ids[:, 1:], temperature, chunk_size=chunk)
         torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
+    # with a mask the head runs only on the masked positions; the others are 0
+    mask = torch.zeros(3, 10)
+    mask[0, 2:5] = 1
+    mask[2, 7] = 1
+    lp, ent = token_logprobs(lm, ids, attn, ids[:, 1:], temperature, chunk_size=2, mask=mask)
+    torch.testing.assert_close(lp, ref * mask, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ref_ent * mask, atol=1e-5, rtol=1e-5)
     # gradients through the checkpointed chunks equal those of the plain computation
     lm.zero_grad()
     token_logprobs(lm, ids, attn, ids[:, 1:], temperature, chunk_size=3)[0].sum().backward()
