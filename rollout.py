@@ -52,6 +52,9 @@ class Engine:
     def wake_up(self):
         """Undo `sleep` before the next rollout."""
 
+    def close(self):
+        """Release the engine at the end of the job (a no-op where there is nothing to release)."""
+
 
 class HFEngine(Engine):
     """transformers `generate`, batched and left-padded. Sampling is pure softmax(logits / T):

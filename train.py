@@ -85,6 +85,9 @@ class Config:
     """Sampling temperature; the trainer divides logits by it too. Paper: 1.0."""
     engine: Literal["auto", "hf", "vllm"] = "auto"
     """Rollout engine; auto = vllm when installed and a GPU is present, else hf."""
+    kv_cache_gib: float = 0.25
+    """vLLM KV-cache budget per rank, GiB: a fixed size, not a fraction of free memory, because the
+    trainer shares the device. Must hold one max_model_len sequence; more = more rollouts at once."""
     # --- batch ------------------------------------------------------------------------------
     steps: int = 120
     """Training steps (each: rollouts, critic updates, one policy update)."""
@@ -210,7 +213,9 @@ def make_engine(cfg, model_path, tokenizer, device):
         kind = "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") else "hf"
     if kind == "vllm":
         from vllm_engine import VLLMEngine
-        return VLLMEngine(model_path, max_model_len=max_model_len(cfg), seed=cfg.seed + dist.get_rank())
+        return VLLMEngine(model_path, max_model_len=max_model_len(cfg), seed=cfg.seed + dist.get_rank(),
+                          kv_cache_bytes=int(cfg.kv_cache_gib * 2**30),
+                          dtype="bfloat16" if cfg.mixed_precision and device.type == "cuda" else "float32")
     from model import load_policy
     return HFEngine(load_policy(model_path, device=device), tokenizer.pad_token_id)
 
@@ -680,7 +685,8 @@ def main(cfg):
         model_path = os.path.join(cfg.out_dir, "tiny_model")
         if rank == 0 and not os.path.exists(os.path.join(model_path, "config.json")):
             build_tiny_model(model_path, hidden_size=cfg.tiny_hidden, num_layers=cfg.tiny_layers,
-                             num_heads=cfg.tiny_heads, intermediate_size=4 * cfg.tiny_hidden, seed=cfg.seed)
+                             num_heads=cfg.tiny_heads, intermediate_size=4 * cfg.tiny_hidden,
+                             max_positions=8192, seed=cfg.seed)  # RoPE room for max_model_len(cfg)
         dist.barrier()
     tokenizer = load_tokenizer(model_path)
     codec = ChatCodec(tokenizer)
@@ -730,7 +736,9 @@ def main(cfg):
         export(actor, model_path, tokenizer, os.path.join(cfg.out_dir, "hf"), rank)
         print0(f"exported the policy to {os.path.join(cfg.out_dir, 'hf')}")
     dist.barrier()
-    dist.destroy_process_group()
+    engine.close()  # an in-process vLLM engine also destroys the default process group
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def seeded_rng(seed):

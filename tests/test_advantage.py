@@ -12,7 +12,15 @@ import torch
 from advantage import (adaptive_lambda, concatenated_gae, cross_trajectory_gae, group_advantage,
                        masked_whiten, rollout_lengths, segment_gae)
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def float64_default():
+    """The references compare in float64; restore the default so other test files are unaffected."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 def random_batch(seed, max_rollouts=5, max_segments=4, T=12, gamma_lam_per_row=False):
