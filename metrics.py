@@ -1,0 +1,156 @@
+"""Metrics and logging for train.py — every key written to metrics.jsonl is documented in the
+README ("Metrics"). Episode statistics are summed on each rank, all-reduced, then turned into
+means, so they describe the global batch whatever the number of ranks.
+"""
+import json
+import math
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+import fsdp
+
+ENDINGS = ("submitted", "max_turns", "format_errors", "budget_exhausted", "context_overflow", "timeout")
+
+
+def rollout_metrics(episodes, rows):
+    """Sums over this rank's episodes; all-reduced, then turned into means (README: metrics)."""
+    compacted = [e for e in episodes if e.compactions > 0]
+    summary_tokens = sum(sum(b - a for k, a, b in s.spans if k == "summary")
+                         for e in episodes for s in e.segments)
+    sums = {"episodes": len(episodes), "reward": sum(e.reward for e in episodes),
+            "compactions": sum(e.compactions for e in episodes), "turns": sum(e.turns for e in episodes),
+            "segments": sum(len(e.segments) for e in episodes), "summary_tokens": summary_tokens,
+            "summaries": sum(e.compactions for e in episodes),
+            "compacted": len(compacted), "compacted_reward": sum(e.reward for e in compacted),
+            "trainable_tokens": sum(float(r["mask"].sum()) for r in rows),
+            "sampled_tokens": sum(s.n_tokens for e in episodes for s in e.segments)}
+    for end in ENDINGS:
+        sums[f"end_{end}"] = sum(e.end_reason == end for e in episodes)
+    keys = sorted(sums)
+    t = fsdp.all_reduce(torch.tensor([float(sums[k]) for k in keys]))
+    g = dict(zip(keys, t.tolist()))
+    n = max(g["episodes"], 1)
+    out = {"rollout/reward": g["reward"] / n, "rollout/compactions": g["compactions"] / n,
+           "rollout/turns": g["turns"] / n, "rollout/segments": g["segments"] / n,
+           "rollout/summary_tokens": g["summary_tokens"] / max(g["summaries"], 1),
+           "rollout/success_given_compaction": g["compacted_reward"] / max(g["compacted"], 1),
+           "rollout/truncation_rate": (g["end_budget_exhausted"] + g["end_context_overflow"]) / n,
+           "rollout/trainable_tokens": g["trainable_tokens"], "rollout/sampled_tokens": g["sampled_tokens"]}
+    out.update({f"end/{e}": g[f"end_{e}"] / n for e in ENDINGS})
+    return out
+
+
+def segment_share_metrics(rows, max_k=4):
+    """Share of |Â| mass (what drives the gradient) and mean Â per segment index k."""
+    sums = torch.zeros(2 * (max_k + 1), dtype=torch.float64)
+    for r in rows:
+        k = min(r["segment_index"], max_k)
+        sums[k] += float((r["advantages"].abs() * r["mask"]).sum())
+        sums[max_k + 1 + k] += float(r["mask"].sum())
+    g = fsdp.all_reduce(sums)
+    total = max(float(g[:max_k + 1].sum()), 1e-12)
+    out = {}
+    for k in range(max_k + 1):
+        if g[max_k + 1 + k] > 0:
+            out[f"adv/share_seg{k}"] = float(g[k]) / total
+            out[f"adv/abs_mean_seg{k}"] = float(g[k]) / float(g[max_k + 1 + k])
+    return out
+
+
+def explained_variance(rows):
+    """1 − Var(G − V) / Var(G) over trainable tokens, global."""
+    s = torch.zeros(5, dtype=torch.float64)
+    for r in rows:
+        m = r["mask"].double()
+        g, v = r["returns"].double(), r["old_values"].double()
+        s += torch.stack([m.sum(), (g * m).sum(), (g * g * m).sum(), ((g - v) * m).sum(), ((g - v) ** 2 * m).sum()])
+    n, g1, g2, d1, d2 = fsdp.all_reduce(s).tolist()
+    n = max(n, 1.0)
+    var_g = g2 / n - (g1 / n) ** 2
+    var_d = d2 / n - (d1 / n) ** 2
+    return {"value/explained_variance": 1.0 - var_d / var_g if var_g > 1e-12 else float("nan")}
+
+
+class Logger:
+    """Rank 0 writes metrics.jsonl (and TensorBoard / W&B when asked); other ranks hold a
+    do-nothing twin so the loop never branches on rank."""
+
+    def __init__(self, cfg, rank, resume):
+        self.on = rank == 0
+        self.path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        self.tb = self.wb = None
+        if not self.on:
+            return
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        if not resume and os.path.exists(self.path):
+            os.remove(self.path)
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(cfg.out_dir, "tb"))
+        if cfg.wandb:
+            import wandb
+            self.wb = wandb.init(project="compactionrl", config=asdict(cfg))
+
+    def log(self, step, metrics):
+        if not self.on:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.tb:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wb:
+            self.wb.log(metrics, step=step)
+
+    def text(self, name, content):
+        if self.on:
+            with open(os.path.join(os.path.dirname(self.path), name), "w") as f:
+                f.write(content)
+
+
+def plot_curve(metrics_path, png_path):
+    """Success (reward) per step and the compaction rate, from metrics.jsonl."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    recs = [json.loads(line) for line in open(metrics_path)]
+    recs = [r for r in recs if "rollout/reward" in r]
+    if not recs:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in recs], [r["rollout/reward"] for r in recs], label="success (reward)")
+    ax.plot([r["step"] for r in recs], [r["rollout/success_given_compaction"] for r in recs],
+            label="success | ≥1 compaction", alpha=0.7)
+    ax.set_xlabel("step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+@contextmanager
+def timed(times, name):
+    t = time.time()
+    yield
+    times[f"time/{name}"] = time.time() - t
+
+
+def reduce_sums(per_minibatch):
+    """Add metric sums over mini-batches, then over ranks (max/min for the extrema)."""
+    acc = {}
+    for sums in per_minibatch:
+        for k, v in sums.items():
+            acc[k] = max(acc.get(k, -math.inf), v) if k.endswith("_max") else \
+                min(acc.get(k, math.inf), v) if k.endswith("_min") else acc.get(k, 0.0) + v
+    out = {}
+    for k in sorted(acc):  # same order on every rank
+        op = dist.ReduceOp.MAX if k.endswith("_max") else dist.ReduceOp.MIN if k.endswith("_min") else dist.ReduceOp.SUM
+        out[k] = float(fsdp.all_reduce(acc[k], op))
+    return out
