@@ -475,7 +475,10 @@ def train_step(step, cfg, actor, critic, opt_a, opt_c, engine, codec, rank, per_
         engine.wake_up()
         episodes = run_episodes(engine, codec, envs, rollout_config(cfg), rids, task_ids, gids)
         engine.sleep()
-    kept = [e for e in episodes if not (cfg.mask_truncated and e.end_reason != "submitted")]
+    # Nothing to train in a rollout that sampled no token (its prompt alone overflowed C);
+    # SUPO-style overlong masking drops every rollout that did not submit.
+    kept = [e for e in episodes if sum(s.n_tokens for s in e.segments) > 0
+            and not (cfg.mask_truncated and e.end_reason != "submitted")]
     rows = to_rows([s for e in kept for s in e.segments], cfg.summaries)
     group_of = {e.rollout_id: e.group_id for e in episodes}
     # (2) old log-probs and values
