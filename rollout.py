@@ -116,8 +116,9 @@ class Segment:
     def n_tokens(self):
         return sum(self.loss_mask)
 
-    def append(self, ids, kind, logprobs=None):
-        trainable = kind in TRAINABLE_KINDS
+    def append(self, ids, kind, logprobs=None, trainable=None):
+        """Add a span; `trainable` defaults to whether the policy samples this kind of span."""
+        trainable = kind in TRAINABLE_KINDS if trainable is None else trainable
         if trainable and (logprobs is None or len(logprobs) != len(ids)):
             raise ValueError(f"a sampled span ({kind}) needs one log-prob per token")
         if self.spans and self.spans[-1][0] == kind and not trainable:
@@ -183,8 +184,11 @@ class RolloutConfig:
     summary_instruction: str = SUMMARY_INSTRUCTION  # q_sum
 
 
-def run_episodes(engine, codec, envs, cfg, rollout_ids, task_ids, group_ids=None):
-    """Run one episode per environment, all in lockstep batches. Returns [Episode]."""
+def run_episodes(engine, codec, envs, cfg, rollout_ids, task_ids, group_ids=None, summary_engine=None):
+    """Run one episode per environment, all in lockstep batches. Returns [Episode].
+
+    summary_engine: another engine writes the summaries (the "frozen summarizer" ablation); its
+    tokens are then not the policy's samples and are not trained (mask 0)."""
     group_ids = group_ids if group_ids is not None else rollout_ids
     live = []
     for env, rid, tid, gid in zip(envs, rollout_ids, task_ids, group_ids):
@@ -199,7 +203,7 @@ def run_episodes(engine, codec, envs, cfg, rollout_ids, task_ids, group_ids=None
             done += ended
             to_compact = [s for s in live if s.steps and should_compact(s.used, cfg.context_budget, cfg.reserve)]
             if to_compact:
-                _compact(engine, codec, to_compact, cfg)
+                _compact(summary_engine or engine, codec, to_compact, cfg, summary_engine is None)
                 live, ended = _split(live, lambda s: s.ep.end_reason == "")
                 done += ended
             if not live:
@@ -237,7 +241,7 @@ def _check_limits(live, cfg):
     return _split(live, lambda s: s.ep.end_reason == "")
 
 
-def _compact(engine, codec, states, cfg):
+def _compact(engine, codec, states, cfg, trainable=True):
     """Summary (eq. 8) then resume (eq. 9) for every state in `states`, in one engine call."""
     instr = codec.message({"role": "user", "content": cfg.summary_instruction}) + codec.gen_prompt
     for s in states:
@@ -245,7 +249,7 @@ def _compact(engine, codec, states, cfg):
     gens = engine.generate([s.seg.ids for s in states], [cfg.max_summary_tokens] * len(states),
                            cfg.temperature, codec.stop_ids)
     for s, g in zip(states, gens):
-        s.seg.append(g.token_ids, "summary", g.logprobs)
+        s.seg.append(g.token_ids, "summary", g.logprobs, trainable=trainable)
         summary = codec.decode(g.token_ids).split("</think>")[-1].strip()  # drop a reasoning block
         s.ep.summaries.append(summary)
         s.ep.compactions += 1

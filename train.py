@@ -137,8 +137,9 @@ class Config:
     """Critic updates per step. Paper: 2."""
     value_pretrain_steps: int = 3
     """Critic-only steps at the start, on rollouts of the initial policy. Paper: 50."""
-    summaries: Literal["trained", "masked"] = "trained"
-    """trained: summary tokens are in the loss (paper); masked: the 'w/o summary training' ablation."""
+    summaries: Literal["trained", "masked", "frozen"] = "trained"
+    """trained: summary tokens are in the loss (paper); masked: they are not (the paper's
+    'w/o summary training'); frozen: a frozen copy of the initial policy writes them."""
     mask_truncated: bool = False
     """SUPO-style overlong masking: no loss on rollouts that ran out of budget. Paper: off."""
     format_warmup_steps: int = 40
@@ -464,7 +465,8 @@ def format_warmup(actor, cfg, codec, tokenizer, rank, per_rank, pad_id, device, 
             print0(f"format warm-up {w + 1}/{cfg.format_warmup_steps}: nll/token {stats.get('loss', 0):.3f}")
 
 
-def train_step(step, cfg, actor, critic, opt_a, opt_c, engine, codec, rank, per_rank, pad_id, device):
+def train_step(step, cfg, actor, critic, opt_a, opt_c, engine, frozen, codec, rank, per_rank, pad_id,
+               device):
     times, m = {}, {}
     # (1) rollouts with compaction on this rank's share of tasks
     with timed(times, "rollout"):
@@ -473,7 +475,8 @@ def train_step(step, cfg, actor, critic, opt_a, opt_c, engine, codec, rank, per_
         rids = list(range(first, first + per_rank))
         gids = [r // cfg.group_size for r in rids]
         engine.wake_up()
-        episodes = run_episodes(engine, codec, envs, rollout_config(cfg), rids, task_ids, gids)
+        episodes = run_episodes(engine, codec, envs, rollout_config(cfg), rids, task_ids, gids,
+                                summary_engine=frozen)
         engine.sleep()
     # Nothing to train in a rollout that sampled no token (its prompt alone overflowed C);
     # SUPO-style overlong masking drops every rollout that did not submit.
@@ -571,13 +574,17 @@ def main(cfg):
     if start == 0 and cfg.format_warmup_steps:
         format_warmup(actor, cfg, codec, tokenizer, rank, per_rank, pad_id, device, print0)
     push_weights(actor, engine)
+    frozen = None  # the frozen-summarizer ablation: the initial policy, never updated
+    if cfg.summaries == "frozen":
+        frozen = make_engine(cfg, model_path, tokenizer, device)
+        push_weights(actor, frozen)
     print0(f"world {world} · {per_rank} rollouts/rank · model {model_path} · task {cfg.task} · "
            f"estimator {cfg.estimator} · normalizer {cfg.normalizer}")
     from tqdm import tqdm
     bar = tqdm(range(start, cfg.steps), disable=rank != 0, initial=start, total=cfg.steps)
     for step in bar:
-        metrics, episodes = train_step(step, cfg, actor, critic, opt_a, opt_c, engine, codec, rank,
-                                       per_rank, pad_id, device)
+        metrics, episodes = train_step(step, cfg, actor, critic, opt_a, opt_c, engine, frozen, codec,
+                                       rank, per_rank, pad_id, device)
         logger.log(step, metrics)
         bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", comp=f"{metrics['rollout/compactions']:.2f}",
                         s=f"{metrics['time/step']:.1f}")
@@ -598,7 +605,9 @@ def main(cfg):
         export(actor, model_path, tokenizer, os.path.join(cfg.out_dir, "hf"), rank)
         print0(f"exported the policy to {os.path.join(cfg.out_dir, 'hf')}")
     dist.barrier()
-    engine.close()  # an in-process vLLM engine also destroys the default process group
+    for e in (engine, frozen):
+        if e is not None:
+            e.close()  # an in-process vLLM engine also destroys the default process group
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -140,6 +140,21 @@ def test_bad_summary_loses_the_key(tiny):
     assert ep.compactions == 1 and ep.reward == 0.0
 
 
+def test_a_separate_summary_engine_writes_untrained_summaries(tiny):
+    """The frozen-summarizer ablation: summaries come from another engine and get mask 0."""
+    tok, codec, _ = tiny
+    policy = ScriptedEngine(tok, lambda t: "ok" if "answer?" not in t[-40:] else "C")
+    summarizer = ScriptedEngine(tok, lambda t: "key C")
+    envs = [memory_task.MemoryEnv(row())]
+    (ep,) = run_episodes(policy, codec, envs, config(), [0], ["t"], summary_engine=summarizer)
+    assert ep.compactions == 1 and ep.reward == 1.0 and len(summarizer.calls) == 1
+    assert all(memory_task.SUMMARY_INSTRUCTION not in tok.decode(p[-20:]) for p, _ in policy.calls)
+    seg0 = ep.segments[0]
+    kind, a, b = seg0.spans[-1]
+    assert kind == "summary" and seg0.loss_mask[a:b] == [0] * (b - a)
+    assert seg0.n_tokens == sum(len(g) for _, g in policy.calls[:len([x for x in seg0.spans if x[0] == "action"])])
+
+
 def test_turn_limit_and_overflow(tiny):
     tok, codec, _ = tiny
     (ep,), _ = run(tok, codec, [row()], config(max_turns=3))
