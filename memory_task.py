@@ -3,9 +3,10 @@ only summaries that carry the key can earn reward.
 
 An episode (every line after the task is one atomic step z = (action, observation)):
 
-    system  "Remember the key. When asked, answer with the key."      user "Task: memory."
-    action → "key C"            the key, shown once, in the first observation
-    action → "noise A" …        n_noise distractor steps, symbols from the same alphabet
+    system  "Remember the key; answer it when asked."                 user "Task: memory."
+    action → "noise B" …        0 to max_key_at distractors before the key
+    action → "key C"            the key, shown once
+    action → "noise A" …        the other distractors (n_noise in all), same alphabet as the key
     action → "answer?"          the question
     answer                      reward 1 if the answer's first symbol is the key, else 0
 
@@ -16,9 +17,14 @@ survives only if the policy's own summary carries it. With K = 0 compactions the
 and the reward is 0.
 
 `p_short` mixes in short episodes whose question comes before any compaction (0 to
-max_noise_short distractors, so the key's position varies and the policy must find it by content,
-not by offset): they teach "answer with the key in context" without needing a summary, the
-cheapest lever against the coordination saddle found in notes/toy-memory-task (RL only, no labels).
+max_noise_short distractors). The key's position varies in every episode, so the key must be
+found by content ("the symbol after `key`"), not by offset.
+
+How the tiny model gets there (train.py): a supervised warm-up on episodes written by
+`WarmupDemoEngine` teaches the shape of each turn and to answer with the key that is in the
+context (half of its episodes are short), but its summaries are random: after the warm-up a
+compacted episode succeeds by chance (1/n_keys). RL episodes are all long by default
+(p_short = 0), so every gain in reward is a summary that learned, by RL alone, to carry the key.
 """
 import random
 
@@ -38,15 +44,17 @@ def symbols(n):
     return [chr(ord("A") + i) for i in range(n)]
 
 
-def make_tasks(n, seed, n_keys=4, n_noise=6, p_short=0.0, max_noise_short=2):
-    """n task rows: {"task_id", "key", "noise": [symbols]}; the key is uniform over n_keys."""
+def make_tasks(n, seed, n_keys=4, n_noise=6, p_short=0.0, max_noise_short=2, max_key_at=2):
+    """n task rows {"task_id", "key", "noise": [symbols], "key_at"}: the key (uniform over n_keys)
+    is shown after key_at of the distractors."""
     rng = random.Random(seed)
     alphabet = symbols(n_keys)
     rows = []
     for i in range(n):
         steps = rng.randint(0, max_noise_short) if rng.random() < p_short else n_noise
         rows.append({"task_id": f"memory-{seed}-{i}", "key": rng.choice(alphabet),
-                     "noise": [rng.choice(alphabet) for _ in range(steps)]})
+                     "noise": [rng.choice(alphabet) for _ in range(steps)],
+                     "key_at": rng.randint(0, min(max_key_at, steps))})
     return rows
 
 
@@ -63,15 +71,16 @@ class MemoryEnv:
         self.answer = None
         return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
 
+    def observations(self):
+        noise = [f"noise {s}" for s in self.row["noise"]]
+        at = self.row.get("key_at", 0)
+        return noise[:at] + [f"key {self.row['key']}"] + noise[at:] + [QUESTION]
+
     def step(self, action):
         self.turn += 1
-        noise = self.row["noise"]
-        if self.turn == 1:
-            return Step(observation=f"key {self.row['key']}", done=False)
-        if self.turn <= len(noise) + 1:
-            return Step(observation=f"noise {noise[self.turn - 2]}", done=False)
-        if self.turn == len(noise) + 2:
-            return Step(observation=QUESTION, done=False)
+        obs = self.observations()
+        if self.turn <= len(obs):
+            return Step(observation=obs[self.turn - 1], done=False)
         self.answer = action
         return Step(observation="", done=True)
 
@@ -87,17 +96,19 @@ def corpus(n_symbols=26):
     """Lines for the embedded tokenizer, so task fragments are few tokens."""
     alphabet = symbols(n_symbols)
     lines = [SYSTEM, TASK, QUESTION, SUMMARY_INSTRUCTION] * 50
-    lines += [f"key {s}" for s in alphabet] * 5 + [f"noise {s}" for s in alphabet] * 5
+    # frequent enough that " A" … " Z" become single tokens: the key is then one token after "key"
+    lines += [f"key {s}" for s in alphabet] * 40 + [f"noise {s}" for s in alphabet] * 40
     return lines
 
 
-class FormatDemoEngine:
-    """An engine that writes well-formed outputs with RANDOM content, for the format warm-up:
-    actions "ok", summaries "key X" and answers "X", X a random key symbol each time.
+class WarmupDemoEngine:
+    """Writes the turns of the supervised warm-up: actions "ok"; summaries "key X" with X RANDOM;
+    answers: the symbol after the last "key" in the context.
 
-    Supervised steps on these teach the tiny random model the *shape* of each turn (a symbol, then
-    the stop token) without any information about the key: which symbols to write in the summary
-    and the answer must still be learned by RL (see train.py's `format_warmup_steps`).
+    So the warm-up teaches the shape of every turn and one reading skill — answer with the key
+    that is in your context — but never what a summary should say: after a compaction the demo
+    answer repeats the random summary, not the hidden key. Writing the key into the summary is
+    left to RL (see train.py's `warmup_steps`).
     """
 
     def __init__(self, tokenizer, n_keys, seed):
@@ -105,10 +116,11 @@ class FormatDemoEngine:
         self.keys = symbols(n_keys)
         self.rng = random.Random(seed)
 
-    def _reply(self, prompt_tail):
-        if prompt_tail.rstrip().endswith(f"{QUESTION}<|im_end|>\n<|im_start|>assistant"):
-            return self.rng.choice(self.keys)
-        if SUMMARY_INSTRUCTION in prompt_tail:
+    def _reply(self, context):
+        tail = context[-80:]
+        if tail.rstrip().endswith(f"{QUESTION}<|im_end|>\n<|im_start|>assistant"):
+            return context.rsplit("key ", 1)[1][:1]
+        if SUMMARY_INSTRUCTION in tail:
             return f"key {self.rng.choice(self.keys)}"
         return "ok"
 
@@ -116,7 +128,7 @@ class FormatDemoEngine:
         from rollout import Generation
         out = []
         for p, n in zip(prompts, max_new_tokens):
-            text = self._reply(self.tok.decode(p[-24:]))
-            ids = (self.tok.encode(text, add_special_tokens=False) + [stop_token_ids[0]])[:n]
+            ids = (self.tok.encode(self._reply(self.tok.decode(p)), add_special_tokens=False)
+                   + [stop_token_ids[0]])[:n]
             out.append(Generation(ids, [0.0] * len(ids), "stop" if ids[-1] in stop_token_ids else "length"))
         return out

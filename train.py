@@ -12,10 +12,10 @@ tasks → (2) old log-probs and values → (3) advantages and returns → (4) cr
 weights to the rollout engine → (7) metrics, trajectory dump, checkpoint.
 
 Where the CPU defaults depart from the paper (every paper value is in the field's docstring):
-tiny model and memory task; a short supervised warm-up on the output *format only* (random
-content, see memory_task.FormatDemoEngine) so a random-initialized model emits well-formed
-turns; large learning rates and an entropy bonus, which a 10^5-parameter random model needs to
-leave the coordination saddle (notes/toy-memory-task). What to summarize and what to answer is
+the tiny model and the memory task; a short supervised warm-up (memory_task.WarmupDemoEngine)
+that teaches a random-initialized model the shape of each turn and to answer with a key that is
+in its context — with RANDOM summaries, so after it a compacted episode succeeds by chance only;
+a learning rate for a 10^6-parameter model, not a 10^10 one. What to write in the summary is
 learned by RL alone, credited through cross-trajectory GAE.
 """
 import math
@@ -59,8 +59,8 @@ class Config:
     """Memory task: number of possible keys (chance success = 1/memory_keys)."""
     memory_noise: int = 6
     """Memory task: distractor steps between the key and the question."""
-    memory_p_short: float = 0.5
-    """Memory task: fraction of short episodes whose question comes before any compaction."""
+    memory_p_short: float = 0.0
+    """Memory task: fraction of short RL episodes (question before any compaction)."""
     # --- rollout with compaction (SPEC §1) --------------------------------------------------
     context_budget: int = 128
     """C, tokens of one context window. Paper: 65536 (30B) / 81920 (106B)."""
@@ -142,10 +142,13 @@ class Config:
     'w/o summary training'); frozen: a frozen copy of the initial policy writes them."""
     mask_truncated: bool = False
     """SUPO-style overlong masking: no loss on rollouts that ran out of budget. Paper: off."""
-    format_warmup_steps: int = 40
-    """Supervised steps on random-content, well-formed turns before RL (memory task only; 0 = off)."""
+    warmup_steps: int = 40
+    """Supervised warm-up steps before RL (memory task only; 0 = off): the turn format and answering
+    with the key in context; summaries in it are random (memory_task.WarmupDemoEngine)."""
+    warmup_p_short: float = 0.5
+    """Fraction of short episodes in the warm-up."""
     warmup_lr: float = 3e-3
-    """Adam lr of the format warm-up."""
+    """Adam lr of the warm-up."""
     # --- run --------------------------------------------------------------------------------
     seed: int = 0
     """Seed of weights and tasks; sampling seeds are seed + rank."""
@@ -182,7 +185,7 @@ def finalize(cfg, world):
         f"rollouts per rank ({per_rank}) must be a multiple of group_size ({cfg.group_size}): groups stay on one rank"
     assert cfg.estimator != "G" or cfg.group_size > 1, "estimator G needs group_size > 1"
     assert cfg.reserve >= cfg.max_action_tokens, "reserve must be >= max_action_tokens (eq. 7: a response always fits)"
-    assert cfg.format_warmup_steps == 0 or cfg.task == "memory", "format warm-up exists for the memory task only"
+    assert cfg.warmup_steps == 0 or cfg.task == "memory", "the warm-up exists for the memory task only"
     return per_rank
 
 
@@ -229,14 +232,14 @@ def max_model_len(cfg):
     return cfg.context_budget + cfg.max_observation_tokens + cfg.max_summary_tokens + 1024
 
 
-def make_envs(cfg, step, rank, per_rank):
+def make_envs(cfg, step, rank, per_rank, p_short=None):
     """This rank's share of the step's tasks: group_size rollouts per task, one env each.
     Deterministic in (seed, step, rank), so the data position is the step number."""
     n_tasks = per_rank // cfg.group_size
     if cfg.task == "memory":
         rows = memory_task.make_tasks(n_tasks, seed=(cfg.seed * 1_000_003 + step) * 1009 + rank,
                                       n_keys=cfg.memory_keys, n_noise=cfg.memory_noise,
-                                      p_short=cfg.memory_p_short)
+                                      p_short=cfg.memory_p_short if p_short is None else p_short)
         make = memory_task.MemoryEnv
     else:
         import swe_task
@@ -249,11 +252,11 @@ def make_envs(cfg, step, rank, per_rank):
     return [make(r) for r in rows], [r.get("task_id", r.get("instance_id")) for r in rows]
 
 
-def rollout_config(cfg, max_compactions=None):
+def rollout_config(cfg):
     """The agent loop's limits. The memory task brings its own short summary instruction."""
     q_sum = memory_task.SUMMARY_INSTRUCTION if cfg.task == "memory" else SUMMARY_INSTRUCTION
     return RolloutConfig(summary_instruction=q_sum, context_budget=cfg.context_budget, reserve=cfg.reserve,
-                         max_compactions=cfg.max_compactions if max_compactions is None else max_compactions,
+                         max_compactions=cfg.max_compactions,
                          max_turns=cfg.max_turns, max_action_tokens=cfg.max_action_tokens,
                          max_summary_tokens=cfg.max_summary_tokens, keep_last=cfg.keep_last,
                          max_observation_tokens=cfg.max_observation_tokens,
@@ -324,7 +327,8 @@ def score(actor, critic, rows, cfg, pad_id, device):
 # --- (3) advantages and returns -----------------------------------------------------------------
 
 def advantages(rows, cfg, group_ids):
-    """Â and the critic target G for every row (SPEC §3); all segments of a rollout are local."""
+    """Â and the critic target G for every row (SPEC §3); all segments of a rollout are local.
+    Writes rows[i]["advantages"], ["returns"]; returns Σ λ over trainable tokens (for the log)."""
     mask = pad([r["mask"] for r in rows]).double()
     values = pad([r["old_values"] for r in rows]).double() * mask
     rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
@@ -352,8 +356,8 @@ def advantages(rows, cfg, group_ids):
     for i, r in enumerate(rows):
         T = len(r["mask"])
         r["advantages"], r["returns"] = adv[i, :T].float(), ret[i, :T].float()
-    return {"adv/mean": (adv * mask).sum().item(), "adv/abs": (adv.abs() * mask).sum().item(),
-            "lambda/mean": float(torch.as_tensor(lam, dtype=torch.float64).mean())}
+    lam_rows = torch.as_tensor(lam, dtype=torch.float64).expand(len(rows))
+    return float((lam_rows * mask.sum(1)).sum())  # Σ over tokens of λ, for the token-weighted mean
 
 
 # --- (4)/(5) optimization -------------------------------------------------------------------------
@@ -449,20 +453,20 @@ def push_weights(actor, engine):
     engine.load_weights([(k.removeprefix("lm."), v) for k, v in sd.items()])
 
 
-def format_warmup(actor, cfg, codec, tokenizer, rank, per_rank, pad_id, device, print0):
-    """Supervised steps on well-formed turns with random content (memory task; see the module
-    docstring). Episodes come from the real rollout loop, so the format includes compaction."""
-    demo = memory_task.FormatDemoEngine(tokenizer, cfg.memory_keys, seed=cfg.seed * 7919 + rank)
+def warmup(actor, cfg, codec, tokenizer, rank, per_rank, pad_id, device, print0):
+    """Supervised steps on demo episodes (memory task; see the module docstring). The episodes
+    come from the real rollout loop, so the format includes compaction and resumption."""
+    demo = memory_task.WarmupDemoEngine(tokenizer, cfg.memory_keys, seed=cfg.seed * 7919 + rank)
     opt = torch.optim.Adam(actor.parameters(), lr=cfg.warmup_lr)
     n = min(per_rank, 64)
-    for w in range(cfg.format_warmup_steps):
-        envs, tids = make_envs(cfg, -1 - w, rank, n * cfg.group_size)
+    for w in range(cfg.warmup_steps):
+        envs, tids = make_envs(cfg, -1 - w, rank, n * cfg.group_size, p_short=cfg.warmup_p_short)
         eps = run_episodes(demo, codec, envs, rollout_config(cfg), list(range(len(envs))), tids)
         rows = to_rows([s for e in eps for s in e.segments], "trained")
         _, stats, _ = optimize(actor, opt, rows, list(range(len(rows))), sft_loss_fn(cfg), cfg, pad_id,
-                              device, ())
-        if w % 10 == 0 or w == cfg.format_warmup_steps - 1:
-            print0(f"format warm-up {w + 1}/{cfg.format_warmup_steps}: nll/token {stats.get('loss', 0):.3f}")
+                               device, ())
+        if w % 10 == 0 or w == cfg.warmup_steps - 1:
+            print0(f"warm-up {w + 1}/{cfg.warmup_steps}: nll/token {stats.get('loss', 0):.3f}")
 
 
 def train_step(step, cfg, actor, critic, opt_a, opt_c, engine, frozen, codec, rank, per_rank, pad_id,
@@ -490,9 +494,9 @@ def train_step(step, cfg, actor, critic, opt_a, opt_c, engine, frozen, codec, ra
     diff = sum(float(((r["old_logprobs"] - r["sampler_logprobs"]).abs() * r["mask"]).sum()) for r in rows)
     # (3) advantages and returns
     with timed(times, "advantage"):
-        if rows:
-            m.update(advantages(rows, cfg, [group_of[r["rollout_id"]] for r in rows]))
+        lam_sum = advantages(rows, cfg, [group_of[r["rollout_id"]] for r in rows]) if rows else 0.0
     m.update(rollout_metrics(episodes, rows))
+    m["adv/lambda"] = float(fsdp.all_reduce(lam_sum)) / max(m["rollout/trainable_tokens"], 1)
     m["policy/sampler_logprob_diff"] = float(fsdp.all_reduce(diff)) / max(m["rollout/trainable_tokens"], 1)
     mbs = minibatch_indices(rows, cfg.mini_batches)
     # (4) critic updates (value pre-training: only these for the first steps)
@@ -571,8 +575,8 @@ def main(cfg):
         fsdp.set_rng_state(extra["rng"])
         print0(f"resumed from {latest} at step {start}")
     engine = make_engine(cfg, model_path, tokenizer, device)
-    if start == 0 and cfg.format_warmup_steps:
-        format_warmup(actor, cfg, codec, tokenizer, rank, per_rank, pad_id, device, print0)
+    if start == 0 and cfg.warmup_steps:
+        warmup(actor, cfg, codec, tokenizer, rank, per_rank, pad_id, device, print0)
     push_weights(actor, engine)
     frozen = None  # the frozen-summarizer ablation: the initial policy, never updated
     if cfg.summaries == "frozen":

@@ -17,7 +17,7 @@ from loss import ppo_policy_loss
 from model import build_tiny_model, load_policy, load_tokenizer, token_logprobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--rollouts-per-step", "8", "--format-warmup-steps", "2", "--value-pretrain-steps", "1",
+SMALL = ["--rollouts-per-step", "8", "--warmup-steps", "2", "--value-pretrain-steps", "1",
          "--mini-batches", "2", "--micro-batch-tokens", "2048"]
 
 

@@ -99,7 +99,7 @@ def test_train_with_vllm_under_torchrun(tmp_path):
     the format warm-up (before step 0) and after the first policy update (step 1)."""
     out = str(tmp_path / "run")
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-         "--engine", "vllm", "--steps", "3", "--rollouts-per-step", "8", "--format-warmup-steps", "1",
+         "--engine", "vllm", "--steps", "3", "--rollouts-per-step", "8", "--warmup-steps", "1",
          "--value-pretrain-steps", "1", "--mini-batches", "2", "--micro-batch-tokens", "2048",
          "--kv-cache-gib", "0.0625", "--out-dir", out])
     recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
