@@ -17,14 +17,15 @@ survives only if the policy's own summary carries it. With K = 0 compactions the
 and the reward is 0.
 
 `p_short` mixes in short episodes whose question comes before any compaction (0 to
-max_noise_short distractors). The key's position varies in every episode, so the key must be
-found by content ("the symbol after `key`"), not by offset.
+max_noise_short distractors); `max_key_at` lets up to that many distractors come before the key.
 
 How the tiny model gets there (train.py): a supervised warm-up on episodes written by
 `WarmupDemoEngine` teaches the shape of each turn and to answer with the key that is in the
-context (half of its episodes are short), but its summaries are random: after the warm-up a
-compacted episode succeeds by chance (1/n_keys). RL episodes are all long by default
-(p_short = 0), so every gain in reward is a summary that learned, by RL alone, to carry the key.
+context (half of its episodes are short, and the key's position varies, so the key is read by
+content — which is also how a summary is read back after compaction). Its summaries are random:
+after the warm-up a compacted episode succeeds by chance (1/n_keys). RL episodes are all long by
+default (p_short = 0), so every gain in reward is a summary that learned, by RL alone, to carry
+the key.
 """
 import random
 

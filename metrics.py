@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 import fsdp
 
-ENDINGS = ("submitted", "max_turns", "format_errors", "budget_exhausted", "context_overflow", "timeout")
+ENDINGS = ("submitted", "max_turns", "format_errors", "budget_exhausted", "context_overflow", "timeout",
+           "env_error")
 
 
 def rollout_metrics(episodes, rows):

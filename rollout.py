@@ -16,6 +16,7 @@ Token layout of one window (G = generation prompt, E = turn close, O = observati
     end    = q_sum-message G  S       (summary instruction, then the sampled summary S)
 """
 import concurrent.futures as cf
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ import torch
 from compaction import SUMMARY_INSTRUCTION, can_compact, resume_text, select_tail, should_compact
 
 TRAINABLE_KINDS = ("action", "summary")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -144,7 +146,7 @@ class Episode:
     reward: float = 0.0
     turns: int = 0
     compactions: int = 0
-    end_reason: str = ""  # submitted | max_turns | format_errors | budget_exhausted | context_overflow | timeout
+    end_reason: str = ""  # submitted | max_turns | format_errors | budget_exhausted | context_overflow | timeout | env_error
     summaries: list = field(default_factory=list)
 
 
@@ -283,8 +285,11 @@ def _act(engine, codec, live, cfg, pool):
         s.seg.append(g.token_ids, "action", g.logprobs)
         s.ep.turns += 1
         texts.append(codec.decode(g.token_ids))
-    results = list(pool.map(lambda st: st[0].env.step(st[1]), zip(live, texts)))
+    results = list(pool.map(_env_step, live, texts))
     for s, g, step in zip(live, gens, results):
+        if step is None:  # the environment itself failed: end this episode, keep the others
+            _end(s, "env_error")
+            continue
         s.format_errors = s.format_errors + 1 if step.format_error else 0
         if step.done:
             _end(s, "submitted")
@@ -309,11 +314,27 @@ def clip_tokens(codec, text, max_tokens):
     return codec.decode(ids[:half]) + marker + codec.decode(ids[len(ids) - half:])
 
 
+def _env_step(s, text):
+    """env.step, or None when the environment raised (a sandbox or Docker failure, not the
+    agent's doing): one broken sandbox must not take down a batch of thousands. Logged loudly."""
+    try:
+        return s.env.step(text)
+    except Exception:
+        log.exception("environment of rollout %s (task %s) failed; ending the episode",
+                      s.ep.rollout_id, s.ep.task_id)
+        return None
+
+
 def _score(s):
     """The outcome reward: graded only when the agent submitted (SPEC §1: a rollout that ran out
-    of budget, turns or format gets 0 and is still trained). The environment is closed either way."""
+    of budget, turns or format gets 0 and is still trained). The environment is closed either way;
+    a grading failure is logged and scores 0, with end_reason "env_error"."""
     try:
         return float(s.env.reward()) if s.ep.end_reason == "submitted" else 0.0
+    except Exception:
+        log.exception("grading rollout %s (task %s) failed", s.ep.rollout_id, s.ep.task_id)
+        s.ep.end_reason = "env_error"
+        return 0.0
     finally:
         s.env.close()
 

@@ -61,6 +61,8 @@ class Config:
     """Memory task: distractor steps between the key and the question."""
     memory_p_short: float = 0.0
     """Memory task: fraction of short RL episodes (question before any compaction)."""
+    memory_max_key_at: int = 0
+    """Memory task: at most this many distractors come before the key in RL episodes."""
     # --- rollout with compaction (SPEC §1) --------------------------------------------------
     context_budget: int = 128
     """C, tokens of one context window. Paper: 65536 (30B) / 81920 (106B)."""
@@ -147,6 +149,9 @@ class Config:
     with the key in context; summaries in it are random (memory_task.WarmupDemoEngine)."""
     warmup_p_short: float = 0.5
     """Fraction of short episodes in the warm-up."""
+    warmup_max_key_at: int = 2
+    """At most this many distractors before the key in warm-up episodes: a varying position makes
+    the answer skill read the key by content, so it also reads a summary."""
     warmup_lr: float = 3e-3
     """Adam lr of the warm-up."""
     # --- run --------------------------------------------------------------------------------
@@ -232,14 +237,15 @@ def max_model_len(cfg):
     return cfg.context_budget + cfg.max_observation_tokens + cfg.max_summary_tokens + 1024
 
 
-def make_envs(cfg, step, rank, per_rank, p_short=None):
+def make_envs(cfg, step, rank, per_rank, warmup=False):
     """This rank's share of the step's tasks: group_size rollouts per task, one env each.
     Deterministic in (seed, step, rank), so the data position is the step number."""
     n_tasks = per_rank // cfg.group_size
     if cfg.task == "memory":
         rows = memory_task.make_tasks(n_tasks, seed=(cfg.seed * 1_000_003 + step) * 1009 + rank,
                                       n_keys=cfg.memory_keys, n_noise=cfg.memory_noise,
-                                      p_short=cfg.memory_p_short if p_short is None else p_short)
+                                      p_short=cfg.warmup_p_short if warmup else cfg.memory_p_short,
+                                      max_key_at=cfg.warmup_max_key_at if warmup else cfg.memory_max_key_at)
         make = memory_task.MemoryEnv
     else:
         import swe_task
@@ -460,7 +466,7 @@ def warmup(actor, cfg, codec, tokenizer, rank, per_rank, pad_id, device, print0)
     opt = torch.optim.Adam(actor.parameters(), lr=cfg.warmup_lr)
     n = min(per_rank, 64)
     for w in range(cfg.warmup_steps):
-        envs, tids = make_envs(cfg, -1 - w, rank, n * cfg.group_size, p_short=cfg.warmup_p_short)
+        envs, tids = make_envs(cfg, -1 - w, rank, n * cfg.group_size, warmup=True)
         eps = run_episodes(demo, codec, envs, rollout_config(cfg), list(range(len(envs))), tids)
         rows = to_rows([s for e in eps for s in e.segments], "trained")
         _, stats, _ = optimize(actor, opt, rows, list(range(len(rows))), sft_loss_fn(cfg), cfg, pad_id,

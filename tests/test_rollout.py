@@ -243,3 +243,18 @@ def test_long_observations_are_clipped_so_windows_stay_bounded(tiny):
     # C + one capped observation (+ its message glue) + q_sum: never the 6000-token flood
     assert longest <= cfg.context_budget + 32 + 40, longest
     assert eps[0].compactions >= 1
+
+
+def test_a_failing_environment_ends_its_episode_only(tiny):
+    tok, codec, _ = tiny
+
+    class Broken(memory_task.MemoryEnv):
+        def step(self, action):
+            if self.turn == 2:
+                raise RuntimeError("sandbox died")
+            return super().step(action)
+
+    envs = [Broken(row("A")), memory_task.MemoryEnv(row("B"))]
+    eps = run_episodes(ScriptedEngine(tok, memory_reply), codec, envs, config(), [0, 1], ["a", "b"])
+    assert eps[0].end_reason == "env_error" and eps[0].reward == 0.0
+    assert eps[1].end_reason == "submitted" and eps[1].reward == 1.0
