@@ -324,8 +324,10 @@ class LocalSandbox(Sandbox):
                 "--unshare-all", "--die-with-parent", "--new-session", "--chdir", self.workdir, "--"]
 
     def _python_back(self) -> list[str]:
-        """Binds our venv back (read-only) when a hidden folder holds it, so `python` still works."""
-        hides_python = any(os.path.commonpath([sys.prefix, path]) == path for path in self.hide)
+        """Binds our venv back (read-only) when a hidden folder or the private /tmp covers it (a
+        checkout under /tmp, as CI may use), so `python` still works inside."""
+        covered = [*self.hide, "/tmp"]
+        hides_python = any(os.path.commonpath([sys.prefix, path]) == path for path in covered)
         return ["--ro-bind", sys.prefix, sys.prefix] if hides_python else []
 
     def _choose_isolation(self, bwrap: str | None, require: bool) -> tuple[str, list[str]]:

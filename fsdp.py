@@ -136,11 +136,7 @@ def save_checkpoint(root, step, models, optimizers, extra, keep=3):
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    state = {}
-    for name, model in models.items():
-        msd, osd = get_state_dict(model, optimizers[name])
-        state[name] = {"model": msd, "optim": osd}
-    dcp.save(state, checkpoint_id=tmp)
+    dcp.save(_state(models, optimizers), checkpoint_id=tmp)
     torch.save(extra, os.path.join(tmp, f"extra_rank{rank}.pt"))
     dist.barrier()
     if rank == 0:
@@ -152,6 +148,19 @@ def save_checkpoint(root, step, models, optimizers, extra, keep=3):
     return final
 
 
+def _state(models, optimizers):
+    """{name: {"model": sharded state dict[, "optim": ...]}}; a model without optimizer (a frozen
+    reference) has weights only."""
+    state = {}
+    for name, model in models.items():
+        if optimizers.get(name) is None:
+            state[name] = {"model": get_model_state_dict(model)}
+        else:
+            msd, osd = get_state_dict(model, optimizers[name])
+            state[name] = {"model": msd, "optim": osd}
+    return state
+
+
 def latest_checkpoint(root):
     if not os.path.isdir(root):
         return None
@@ -161,14 +170,14 @@ def latest_checkpoint(root):
 
 def load_checkpoint(path, models, optimizers):
     """Load a `save_checkpoint` directory in place; returns this rank's `extra`."""
-    state = {}
-    for name, model in models.items():
-        msd, osd = get_state_dict(model, optimizers[name])
-        state[name] = {"model": msd, "optim": osd}
+    state = _state(models, optimizers)
     dcp.load(state, checkpoint_id=path)
     for name, model in models.items():
-        set_state_dict(model, optimizers[name], model_state_dict=state[name]["model"],
-                       optim_state_dict=state[name]["optim"])
+        if optimizers.get(name) is None:
+            set_model_state_dict(model, state[name]["model"])
+        else:
+            set_state_dict(model, optimizers[name], model_state_dict=state[name]["model"],
+                           optim_state_dict=state[name]["optim"])
     extra_path = os.path.join(path, f"extra_rank{dist.get_rank()}.pt")
     if not os.path.exists(extra_path):
         raise FileNotFoundError(f"{extra_path} missing: was the checkpoint written with another "

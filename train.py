@@ -127,6 +127,9 @@ class Config:
     """Dual-clip constant c for Â < 0; 0 = off."""
     value_clip: float = 0.2
     """ε_v for the clipped value loss; 0 = off."""
+    kl_coef: float = 0.0
+    """β of a KL(π_θ ‖ π_ref) penalty (k3 estimator per token) to the policy after the warm-up.
+    Paper: 0 (no KL)."""
     entropy_coef: float = 0.0
     """Entropy bonus. Paper: 0 (none). (Over a 1024-token vocabulary even 0.01 wrecks the format.)"""
     actor_lr: float = 1e-3
@@ -196,7 +199,7 @@ def finalize(cfg, world):
 
 # --- (0) set-up ---------------------------------------------------------------------------------
 
-def make_models(cfg, model_path, device):
+def make_models(cfg, model_path, device, actor_only=False):
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
     mp = cfg.mixed_precision and device.type == "cuda"
     hf_cfg = AutoConfig.from_pretrained(model_path)
@@ -212,6 +215,8 @@ def make_models(cfg, model_path, device):
         return Critic(backbone, hf_cfg.hidden_size)
 
     actor = fsdp.load_sharded(build_actor, device, mp, cfg.activation_checkpointing)
+    if actor_only:
+        return actor
     critic = fsdp.load_sharded(build_critic, device, mp, cfg.activation_checkpointing)
     return actor, critic
 
@@ -319,15 +324,18 @@ def micro_batches(rows, idx, max_tokens, pad_id, device, keys=()):
 # --- (2) old log-probs and values ---------------------------------------------------------------
 
 @torch.no_grad()
-def score(actor, critic, rows, cfg, pad_id, device):
-    """log π_old and V_old at every target position, written into the rows."""
+def score(actor, critic, rows, cfg, pad_id, device, ref=None):
+    """log π_old and V_old (and log π_ref with a KL penalty) at every target position."""
     for mb, b in micro_batches(rows, list(range(len(rows))), cfg.micro_batch_tokens, pad_id, device):
         lp, _ = actor(b["input_ids"], b["attention"], cfg.temperature, b["mask"])
         v = critic(b["input_ids"], b["attention"])
+        ref_lp = ref(b["input_ids"], b["attention"], cfg.temperature, b["mask"])[0] if ref else None
         for j, i in enumerate(mb or []):
             T = len(rows[i]["mask"])
             rows[i]["old_logprobs"] = lp[j, :T].float().cpu()
             rows[i]["old_values"] = v[j, :T].float().cpu()
+            if ref is not None:
+                rows[i]["ref_logprobs"] = ref_lp[j, :T].float().cpu()
 
 
 # --- (3) advantages and returns -----------------------------------------------------------------
@@ -430,7 +438,13 @@ def policy_loss_fn(cfg):
                                         token_weights=b["weights"])
         ent_sum = (ent * b["mask"] * b["weights"]).sum()
         metrics["entropy"] = (ent * b["mask"]).sum().detach()
-        return loss - cfg.entropy_coef * ent_sum, metrics
+        loss = loss - cfg.entropy_coef * ent_sum
+        if "ref_logprobs" in b:  # k3: exp(r) − r − 1 with r = log π_ref − log π_θ, ≥ 0
+            r = b["ref_logprobs"] - lp
+            kl = ((torch.exp(r) - r - 1) * b["mask"])
+            loss = loss + cfg.kl_coef * (kl * b["weights"]).sum()
+            metrics["kl_ref"] = kl.sum().detach()
+        return loss, metrics
     return fn
 
 
@@ -475,8 +489,8 @@ def warmup(actor, cfg, codec, tokenizer, rank, per_rank, pad_id, device, print0)
             print0(f"warm-up {w + 1}/{cfg.warmup_steps}: nll/token {stats.get('loss', 0):.3f}")
 
 
-def train_step(step, cfg, actor, critic, opt_a, opt_c, engine, frozen, codec, rank, per_rank, pad_id,
-               device):
+def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, codec, rank, per_rank,
+               pad_id, device):
     times, m = {}, {}
     # (1) rollouts with compaction on this rank's share of tasks
     with timed(times, "rollout"):
@@ -496,7 +510,7 @@ def train_step(step, cfg, actor, critic, opt_a, opt_c, engine, frozen, codec, ra
     group_of = {e.rollout_id: e.group_id for e in episodes}
     # (2) old log-probs and values
     with timed(times, "score"):
-        score(actor, critic, rows, cfg, pad_id, device)
+        score(actor, critic, rows, cfg, pad_id, device, ref)
     diff = sum(float(((r["old_logprobs"] - r["sampler_logprobs"]).abs() * r["mask"]).sum()) for r in rows)
     # (3) advantages and returns
     with timed(times, "advantage"):
@@ -522,7 +536,8 @@ def train_step(step, cfg, actor, critic, opt_a, opt_c, engine, frozen, codec, ra
             for _ in range(cfg.ppo_epochs):
                 for idx in mbs:
                     sums, stats, sk = optimize(actor, opt_a, rows, idx, policy_loss_fn(cfg), cfg, pad_id,
-                                               device, ("old_logprobs", "advantages"))
+                                               device, ("old_logprobs", "advantages")
+                                               + (("ref_logprobs",) if ref is not None else ()))
                     pol.append(sums)
                     pol_steps.append(stats)
                     skipped += sk
@@ -566,23 +581,27 @@ def main(cfg):
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(cfg.seed)  # the same initial weights everywhere (only rank 0's are used)
     actor, critic = make_models(cfg, model_path, device)
+    # the KL reference: a frozen copy of the policy as RL starts (after the warm-up)
+    ref = make_models(cfg, model_path, device, actor_only=True).requires_grad_(False) if cfg.kl_coef else None
     opt_a = torch.optim.Adam(actor.parameters(), lr=cfg.actor_lr)
     opt_c = torch.optim.Adam(critic.parameters(), lr=cfg.critic_lr)
     # CRUCIAL: a different sampling seed per rank, or every rank would sample the same rollouts.
     fsdp.set_rng_state(seeded_rng(cfg.seed + rank))
     logger = Logger(cfg, rank, cfg.resume)
     ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
+    models = {"actor": actor, "critic": critic, **({"ref": ref} if ref is not None else {})}
     start = 0
     latest = fsdp.latest_checkpoint(ckpt_root) if cfg.resume else None
     if latest:
-        extra = fsdp.load_checkpoint(latest, {"actor": actor, "critic": critic},
-                                     {"actor": opt_a, "critic": opt_c})
+        extra = fsdp.load_checkpoint(latest, models, {"actor": opt_a, "critic": opt_c})
         start = extra["step"] + 1
         fsdp.set_rng_state(extra["rng"])
         print0(f"resumed from {latest} at step {start}")
     engine = make_engine(cfg, model_path, tokenizer, device)
     if start == 0 and cfg.warmup_steps:
         warmup(actor, cfg, codec, tokenizer, rank, per_rank, pad_id, device, print0)
+    if start == 0 and ref is not None:
+        ref.load_state_dict(actor.state_dict())
     push_weights(actor, engine)
     frozen = None  # the frozen-summarizer ablation: the initial policy, never updated
     if cfg.summaries == "frozen":
@@ -593,8 +612,8 @@ def main(cfg):
     from tqdm import tqdm
     bar = tqdm(range(start, cfg.steps), disable=rank != 0, initial=start, total=cfg.steps)
     for step in bar:
-        metrics, episodes = train_step(step, cfg, actor, critic, opt_a, opt_c, engine, frozen, codec,
-                                       rank, per_rank, pad_id, device)
+        metrics, episodes = train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen,
+                                       codec, rank, per_rank, pad_id, device)
         logger.log(step, metrics)
         bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", comp=f"{metrics['rollout/compactions']:.2f}",
                         s=f"{metrics['time/step']:.1f}")
@@ -607,8 +626,7 @@ def main(cfg):
         if cfg.export_every and (step + 1) % cfg.export_every == 0:
             export(actor, model_path, tokenizer, os.path.join(cfg.out_dir, f"hf_step_{step}"), rank)
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step == cfg.steps - 1:
-            fsdp.save_checkpoint(ckpt_root, step, {"actor": actor, "critic": critic},
-                                 {"actor": opt_a, "critic": opt_c},
+            fsdp.save_checkpoint(ckpt_root, step, models, {"actor": opt_a, "critic": opt_c},
                                  {"step": step, "rng": fsdp.rng_state(), "config": asdict(cfg)},
                                  keep=cfg.keep_checkpoints)
     if cfg.export_hf:
