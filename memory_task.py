@@ -23,9 +23,8 @@ How the tiny model gets there (train.py): a supervised warm-up on episodes writt
 `WarmupDemoEngine` teaches the shape of each turn and to answer with the key that is in the
 context (half of its episodes are short, and the key's position varies, so the key is read by
 content — which is also how a summary is read back after compaction). Its summaries are random:
-after the warm-up a compacted episode succeeds by chance (1/n_keys). RL episodes are all long by
-default (p_short = 0), so every gain in reward is a summary that learned, by RL alone, to carry
-the key.
+after the warm-up a compacted episode succeeds by chance (1/n_keys), so every gain in
+`rollout/success_given_compaction` is a summary that learned, by RL alone, to carry the key.
 """
 import random
 

@@ -59,9 +59,10 @@ class Config:
     """Memory task: number of possible keys (chance success = 1/memory_keys)."""
     memory_noise: int = 6
     """Memory task: distractor steps between the key and the question."""
-    memory_p_short: float = 0.0
-    """Memory task: fraction of short RL episodes (question before any compaction)."""
-    memory_max_key_at: int = 0
+    memory_p_short: float = 0.25
+    """Memory task: fraction of short RL episodes (question before any compaction). They keep the
+    answer-from-context skill rewarded; only the compacted episodes measure summary learning."""
+    memory_max_key_at: int = 2
     """Memory task: at most this many distractors come before the key in RL episodes."""
     # --- rollout with compaction (SPEC §1) --------------------------------------------------
     context_budget: int = 128
