@@ -54,8 +54,8 @@ from tqdm import tqdm
 
 import swe_task
 from env import DiffError, docker_available
-from model import ChatCodec, build_tiny_model, load_policy, load_tokenizer
-from rollout import HFEngine, RolloutConfig, format_episode, run_episodes
+from model import ChatCodec, build_tiny_model, load_tokenizer
+from rollout import RolloutConfig, format_episode, make_engine, run_episodes
 
 VERIFIED = "SWE-bench/SWE-bench_Verified"
 SWEBENCH5_COLUMNS = ("image", "eval_script", "log_parser", "eval_type")   # rows carry these since swebench 5
@@ -455,20 +455,6 @@ def format_table(results):
 
 # ---------------------------------------------------------------- main
 
-def make_engine(kind, model_path, tokenizer, seed, max_model_len=0, kv_cache_gib=0.0):
-    """The rollout engine, built as train.py builds it; vllm_engine is imported only for vllm."""
-    if kind == "auto":
-        import importlib.util
-        kind = "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") else "hf"
-    if kind == "vllm":
-        from vllm_engine import VLLMEngine   # optional: vLLM may not be installed
-        kv = {"kv_cache_bytes": int(kv_cache_gib * 2**30)} if kv_cache_gib else {}
-        return VLLMEngine(model_path, max_model_len=max_model_len or None, seed=seed, **kv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return HFEngine(load_policy(model_path, device=device), pad)
-
-
 def load_model(cfg):
     """(engine, tokenizer) of --model, or of the embedded tiny model (built once into out_dir)."""
     model_path = cfg.model or os.path.join(cfg.out_dir, "tiny_model")
@@ -476,7 +462,10 @@ def load_model(cfg):
         # RoPE has no learned positions: 8192 only lets vLLM accept windows past the default C
         build_tiny_model(model_path, max_positions=8192, seed=cfg.seed)
     tokenizer = load_tokenizer(model_path)
-    engine = make_engine(cfg.engine, model_path, tokenizer, cfg.seed, cfg.max_model_len, cfg.kv_cache_gib)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    engine = make_engine(cfg.engine, model_path, pad, "cuda" if torch.cuda.is_available() else "cpu",
+                         seed=cfg.seed, max_model_len=cfg.max_model_len or None,
+                         kv_cache_bytes=int(cfg.kv_cache_gib * 2**30) if cfg.kv_cache_gib else None)
     return engine, tokenizer
 
 

@@ -102,6 +102,22 @@ class HFEngine(Engine):
         self.model.load_state_dict(dict(named_tensors), strict=False)
 
 
+def make_engine(kind, model_path, pad_token_id, device, seed=0, max_model_len=None, kv_cache_bytes=None,
+                dtype=None):
+    """The rollout engine for `model_path`: kind is "hf", "vllm" or "auto" (vLLM when it is
+    installed and a GPU is present). vllm_engine is imported only when vLLM is asked for; options
+    left at None keep VLLMEngine's defaults."""
+    if kind == "auto":
+        import importlib.util
+        kind = "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") else "hf"
+    if kind == "vllm":
+        from vllm_engine import VLLMEngine
+        opts = {k: v for k, v in (("kv_cache_bytes", kv_cache_bytes), ("dtype", dtype)) if v is not None}
+        return VLLMEngine(model_path, max_model_len=max_model_len, seed=seed, **opts)
+    from model import load_policy
+    return HFEngine(load_policy(model_path, device=device), pad_token_id)
+
+
 @dataclass
 class Segment:
     """One context window of a rollout: a training sample (SPEC §2)."""

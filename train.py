@@ -35,7 +35,7 @@ from loss import finalize_metrics, normalizer_weights, ppo_policy_loss, value_lo
 from metrics import (Logger, explained_variance, plot_curve, reduce_sums, rollout_metrics,
                      segment_share_metrics, timed)
 from model import Actor, ChatCodec, Critic, build_tiny_model, export_pretrained, load_tokenizer
-from rollout import HFEngine, RolloutConfig, format_episode, pack_micro_batches, run_episodes
+from rollout import RolloutConfig, format_episode, make_engine, pack_micro_batches, run_episodes
 
 
 @dataclass
@@ -222,18 +222,10 @@ def make_models(cfg, model_path, device, actor_only=False):
     return actor, critic
 
 
-def make_engine(cfg, model_path, tokenizer, device):
-    kind = cfg.engine
-    if kind == "auto":
-        import importlib.util
-        kind = "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") else "hf"
-    if kind == "vllm":
-        from vllm_engine import VLLMEngine
-        return VLLMEngine(model_path, max_model_len=max_model_len(cfg), seed=cfg.seed + dist.get_rank(),
-                          kv_cache_bytes=int(cfg.kv_cache_gib * 2**30),
-                          dtype="bfloat16" if cfg.mixed_precision and device.type == "cuda" else "float32")
-    from model import load_policy
-    return HFEngine(load_policy(model_path, device=device), tokenizer.pad_token_id)
+def engine_for(cfg, model_path, pad_id, device):
+    return make_engine(cfg.engine, model_path, pad_id, device, seed=cfg.seed + dist.get_rank(),
+                       max_model_len=max_model_len(cfg), kv_cache_bytes=int(cfg.kv_cache_gib * 2**30),
+                       dtype="bfloat16" if cfg.mixed_precision and device.type == "cuda" else "float32")
 
 
 def max_model_len(cfg):
@@ -598,7 +590,7 @@ def main(cfg):
         start = extra["step"] + 1
         fsdp.set_rng_state(extra["rng"])
         print0(f"resumed from {latest} at step {start}")
-    engine = make_engine(cfg, model_path, tokenizer, device)
+    engine = engine_for(cfg, model_path, pad_id, device)
     if start == 0 and cfg.warmup_steps:
         warmup(actor, cfg, codec, tokenizer, rank, per_rank, pad_id, device, print0)
     if start == 0 and ref is not None:
@@ -606,7 +598,7 @@ def main(cfg):
     push_weights(actor, engine)
     frozen = None  # the frozen-summarizer ablation: the initial policy, never updated
     if cfg.summaries == "frozen":
-        frozen = make_engine(cfg, model_path, tokenizer, device)
+        frozen = engine_for(cfg, model_path, pad_id, device)
         push_weights(actor, frozen)
     print0(f"world {world} · {per_rank} rollouts/rank · model {model_path} · task {cfg.task} · "
            f"estimator {cfg.estimator} · normalizer {cfg.normalizer}")
