@@ -143,13 +143,21 @@ def timed(times, name):
     times[f"time/{name}"] = time.time() - t
 
 
+def merge_sums(acc, sums):
+    """Fold metric sums into `acc` in place: keys ending in _max/_min keep the extremum, the
+    rest add up."""
+    for k, v in sums.items():
+        v = float(v)
+        acc[k] = max(acc.get(k, -math.inf), v) if k.endswith("_max") else \
+            min(acc.get(k, math.inf), v) if k.endswith("_min") else acc.get(k, 0.0) + v
+    return acc
+
+
 def reduce_sums(per_minibatch):
     """Add metric sums over mini-batches, then over ranks (max/min for the extrema)."""
     acc = {}
     for sums in per_minibatch:
-        for k, v in sums.items():
-            acc[k] = max(acc.get(k, -math.inf), v) if k.endswith("_max") else \
-                min(acc.get(k, math.inf), v) if k.endswith("_min") else acc.get(k, 0.0) + v
+        merge_sums(acc, sums)
     out = {}
     for k in sorted(acc):  # same order on every rank
         op = dist.ReduceOp.MAX if k.endswith("_max") else dist.ReduceOp.MIN if k.endswith("_min") else dist.ReduceOp.SUM

@@ -361,31 +361,6 @@ def _finish(s, reward):
         seg.reward = reward
 
 
-def collate(segments, pad_id):
-    """Right-padded training tensors for a list of segments. Per-token tensors are aligned with
-    the targets input_ids[:, 1:] (T = L − 1), like model.token_logprobs:
-        input_ids, attention (B, L); mask, old_logprobs (B, T) — the sampler's log-probs;
-        rewards, rollout_ids, segment_index, n_tokens (B,)."""
-    L = max(len(s.ids) for s in segments)
-    B = len(segments)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros(B, L, dtype=torch.long)
-    mask = torch.zeros(B, L - 1)
-    lps = torch.zeros(B, L - 1)
-    for b, s in enumerate(segments):
-        n, p = len(s.ids), len(s.prompt_ids)
-        ids[b, :n] = torch.tensor(s.ids)
-        attn[b, :n] = 1
-        # response token j sits at position p + j, so its target index is p + j − 1
-        mask[b, p - 1:n - 1] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        lps[b, p - 1:n - 1] = torch.tensor(s.logprobs, dtype=torch.float32)
-    return {"input_ids": ids, "attention": attn, "mask": mask, "old_logprobs": lps,
-            "rewards": torch.tensor([s.reward for s in segments], dtype=torch.float32),
-            "rollout_ids": torch.tensor([s.rollout_id for s in segments]),
-            "segment_index": torch.tensor([s.segment_index for s in segments]),
-            "n_tokens": torch.tensor([s.n_tokens for s in segments])}
-
-
 def format_episode(ep, decode):
     """Plain-text dump of an episode for people: every window, every span, what is trained."""
     lines = [f"=== rollout {ep.rollout_id}  task {ep.task_id}  reward {ep.reward}  turns {ep.turns}  "

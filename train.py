@@ -18,7 +18,6 @@ in its context — with RANDOM summaries, so after it a compacted episode succee
 a learning rate for a 10^6-parameter model, not a 10^10 one. What to write in the summary is
 learned by RL alone, credited through cross-trajectory GAE.
 """
-import math
 import os
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -32,7 +31,7 @@ from advantage import (adaptive_lambda, concatenated_gae, cross_trajectory_gae, 
                        masked_whiten, rollout_lengths, segment_gae)
 from compaction import SUMMARY_INSTRUCTION
 from loss import finalize_metrics, normalizer_weights, ppo_policy_loss, value_loss
-from metrics import (Logger, explained_variance, plot_curve, reduce_sums, rollout_metrics,
+from metrics import (Logger, explained_variance, merge_sums, plot_curve, reduce_sums, rollout_metrics,
                      segment_share_metrics, timed)
 from model import Actor, ChatCodec, Critic, build_tiny_model, export_pretrained, load_tokenizer
 from rollout import RolloutConfig, format_episode, make_engine, pack_micro_batches, run_episodes
@@ -405,10 +404,7 @@ def optimize(module, optimizer, rows, idx, loss_fn, cfg, pad_id, device, keys):
         loss_sum, metrics = loss_fn(module, b)
         (loss_sum / denom * world).backward()
         loss_total += loss_sum.detach().double().cpu()
-        for k, v in metrics.items():
-            v = float(v)
-            sums[k] = max(sums.get(k, -math.inf), v) if k.endswith("_max") else \
-                min(sums.get(k, math.inf), v) if k.endswith("_min") else sums.get(k, 0.0) + v
+        merge_sums(sums, metrics)
     grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.grad_clip)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     loss_total = fsdp.all_reduce(loss_total)

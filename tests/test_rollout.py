@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import memory_task
+import train
 from compaction import resume_text
 from model import Actor, ChatCodec, build_tiny_model, load_policy, load_tokenizer
-from rollout import (Generation, HFEngine, RolloutConfig, clip_tokens, collate, format_episode,
+from rollout import (Generation, HFEngine, RolloutConfig, clip_tokens, format_episode,
                      pack_micro_batches, run_episodes)
 
 
@@ -187,7 +188,7 @@ def test_format_errors_end_the_episode(tiny):
 
 
 def test_real_model_episode_batch_and_trainer_recompute(tiny):
-    """The real tiny model end to end; the trainer's log-probs on the collated batch equal the
+    """The real tiny model end to end; the trainer's log-probs on its padded rows (train.to_rows) equal the
     sampler's (token-in/token-out, left- vs right-padding, across compactions)."""
     tok, codec, lm = tiny
     torch.manual_seed(0)
@@ -197,12 +198,15 @@ def test_real_model_episode_batch_and_trainer_recompute(tiny):
                        list(range(6)), [r["task_id"] for r in rows])
     segs = [s for e in eps for s in e.segments]
     assert any(e.compactions for e in eps) and len(segs) > len(eps)
-    b = collate(segs, tok.pad_token_id)
+    rows = train.to_rows(segs, "trained")
+    ids = train.pad([r["ids"] for r in rows], tok.pad_token_id)
+    attn = train.pad([torch.ones(len(r["ids"]), dtype=torch.long) for r in rows])
+    mask, sampler = train.pad([r["mask"] for r in rows]), train.pad([r["sampler_logprobs"] for r in rows])
     with torch.no_grad():
-        lp, _ = Actor(lm, chunk_size=16)(b["input_ids"], b["attention"], 0.8)
-    m = b["mask"] > 0
-    torch.testing.assert_close(lp[m], b["old_logprobs"][m], atol=1e-4, rtol=0)
-    assert b["mask"].sum() == sum(s.n_tokens for s in segs)
+        lp, _ = Actor(lm, chunk_size=16)(ids, attn, 0.8)
+    m = mask > 0
+    torch.testing.assert_close(lp[m], sampler[m], atol=1e-4, rtol=0)
+    assert mask.sum() == sum(s.n_tokens for s in segs)
     dump = format_episode(eps[0], tok.decode)
     assert "segment 0" in dump and "TRAIN action" in dump
 
