@@ -20,13 +20,16 @@ and the reward is 0.
 max_noise_short distractors); `max_key_at` lets up to that many distractors come before the key.
 
 How the tiny model gets there (train.py): a supervised warm-up on episodes written by
-`WarmupDemoEngine` teaches the shape of each turn and to answer with the key that is in the
-context (half of its episodes are short, and the key's position varies, so the key is read by
-content — which is also how a summary is read back after compaction). Its summaries are random:
-after the warm-up a compacted episode succeeds by chance (1/n_keys), so every gain in
-`rollout/success_given_compaction` is a summary that learned, by RL alone, to carry the key.
+`WarmupDemoEngine` teaches the shape of each turn, to answer with the key that is in the context
+(half of its episodes are short, and the key's position varies, so the key is read by content —
+which is also how a summary is read back), and to write a summary that copies ONE observation
+line of the window, picked at random. After the warm-up the policy summarizes "noise X" far more
+often than "key X", and a compacted episode succeeds by chance (1/n_keys). Which line to keep —
+the key's — is never shown; every gain in `rollout/success_given_compaction` is a summary that
+learned it by RL alone, credited through the GAE across the compaction boundary.
 """
 import random
+import re
 
 from env import Step
 
@@ -102,13 +105,17 @@ def corpus(n_symbols=26):
 
 
 class WarmupDemoEngine:
-    """Writes the turns of the supervised warm-up: actions "ok"; summaries "key X" with X RANDOM;
-    answers: the symbol after the last "key" in the context.
+    """Writes the turns of the supervised warm-up: actions "ok"; a summary: one observation line of
+    the window ("noise X" or "key X", or the previous summary), chosen uniformly at random; an
+    answer: the symbol after the last "key" in the context, else the summary's symbol.
 
-    So the warm-up teaches the shape of every turn and one reading skill — answer with the key
-    that is in your context — but never what a summary should say: after a compaction the demo
-    answer repeats the random summary, not the hidden key. Writing the key into the summary is
-    left to RL (see train.py's `warmup_steps`).
+    So the warm-up teaches the shape of every turn, to answer from context, and that a summary
+    repeats a line — never which line matters. After a compaction the demo answer repeats the
+    kept line's symbol, right only when the random pick was the key line (or a distractor that
+    happens to equal the key). Why copy a line rather than write a random symbol: the earlier
+    random-symbol warm-up trained "after `key` in a summary comes an unrelated symbol", against
+    the copy the answer skill uses; RL then found positional shortcuts (copy the first
+    observation) and stalled near 0.5 (README, "What the default run learns").
     """
 
     def __init__(self, tokenizer, n_keys, seed):
@@ -119,9 +126,14 @@ class WarmupDemoEngine:
     def _reply(self, context):
         tail = context[-80:]
         if tail.rstrip().endswith(f"{QUESTION}<|im_end|>\n<|im_start|>assistant"):
-            return context.rsplit("key ", 1)[1][:1]
+            keys = re.findall(r"key ([A-Z])", context)
+            if keys:
+                return keys[-1]
+            kept = re.findall(r"so far:\n(?:noise|key) ([A-Z])", context)  # the summary's symbol
+            return kept[-1] if kept else self.rng.choice(self.keys)
         if SUMMARY_INSTRUCTION in tail:
-            return f"key {self.rng.choice(self.keys)}"
+            lines = re.findall(r"\n((?:noise|key) [A-Z])(?:<|\n)", context)
+            return self.rng.choice(lines) if lines else f"noise {self.rng.choice(self.keys)}"
         return "ok"
 
     def generate(self, prompts, max_new_tokens, temperature, stop_token_ids):

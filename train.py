@@ -13,10 +13,11 @@ weights to the rollout engine → (7) metrics, trajectory dump, checkpoint.
 
 Where the CPU defaults depart from the paper (every paper value is in the field's docstring):
 the tiny model and the memory task; a short supervised warm-up (memory_task.WarmupDemoEngine)
-that teaches a random-initialized model the shape of each turn and to answer with a key that is
-in its context — with RANDOM summaries, so after it a compacted episode succeeds by chance only;
-a learning rate for a 10^6-parameter model, not a 10^10 one. What to write in the summary is
-learned by RL alone, credited through cross-trajectory GAE.
+that teaches a random-initialized model the shape of each turn, to answer with a key that is in
+its context, and that a summary repeats one observation line — picked at RANDOM, so after it a
+compacted episode succeeds by chance only; a learning rate for a 10^6-parameter model, not a
+10^10 one. Which line the summary must keep is learned by RL alone, credited through
+cross-trajectory GAE.
 """
 import os
 from dataclasses import asdict, dataclass
@@ -90,7 +91,7 @@ class Config:
     """vLLM KV-cache budget per rank, GiB: a fixed size, not a fraction of free memory, because the
     trainer shares the device. Must hold one max_model_len sequence; more = more rollouts at once."""
     # --- batch ------------------------------------------------------------------------------
-    steps: int = 120
+    steps: int = 50
     """Training steps (each: rollouts, critic updates, one policy update)."""
     rollouts_per_step: int = 256
     """Global rollouts per step, split over ranks. Paper: 128 (group size 1)."""
@@ -147,9 +148,9 @@ class Config:
     'w/o summary training'); frozen: a frozen copy of the initial policy writes them."""
     mask_truncated: bool = False
     """SUPO-style overlong masking: no loss on rollouts that ran out of budget. Paper: off."""
-    warmup_steps: int = 40
-    """Supervised warm-up steps before RL (memory task only; 0 = off): the turn format and answering
-    with the key in context; summaries in it are random (memory_task.WarmupDemoEngine)."""
+    warmup_steps: int = 150
+    """Supervised warm-up steps before RL (memory task only; 0 = off): the turn format, answering
+    with the key in context, summaries that copy a random line (memory_task.WarmupDemoEngine)."""
     warmup_p_short: float = 0.5
     """Fraction of short episodes in the warm-up."""
     warmup_max_key_at: int = 2
