@@ -48,6 +48,8 @@ def test_end_to_end(tmp_path, nproc):
         assert key in recs[-1], key
     assert "policy/clipfrac" in recs[1] and "policy/approx_kl" in recs[1]  # step 1: first policy update
     assert "policy/clipfrac" not in recs[0]  # step 0: value pre-training only
+    lr = train.Config.actor_lr
+    assert [r["train/actor_lr"] for r in recs] == [lr, lr / 2]  # linear decay to 0 over --steps 2
     assert recs[1]["policy/sampler_logprob_diff"] < 1e-4  # the trainer sees what the sampler saw
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step_00000001"]  # keep = 1
     assert os.path.exists(os.path.join(out, "curve.png"))
@@ -90,7 +92,8 @@ def test_one_rank_equals_two_ranks_and_loss_is_the_global_token_mean(tmp_path):
 
 def test_resume_is_exact(tmp_path):
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    common = SMALL + ["--save-every", "0"]
+    # stopping is simulated by a shorter --steps, so the lr must not depend on --steps here
+    common = SMALL + ["--save-every", "0", "--lr-schedule", "constant"]
     run(["train.py", "--steps", "4", "--out-dir", straight] + common)
     run(["train.py", "--steps", "2", "--out-dir", split] + common)
     run(["train.py", "--steps", "4", "--out-dir", split, "--resume"] + common)

@@ -1,0 +1,235 @@
+"""The paper's ablations at CPU scale, on the built-in memory task, with train.py itself.
+
+    python ablations.py --quick          # the summaries panel and test-time K, 2 seeds
+    python ablations.py                  # the full grid: 5 panels, 5 seeds
+    python ablations.py --jobs 4         # more runs at once on a bigger machine
+
+Every run is `python train.py <flags>` in its own process (one thread), so each variant uses the
+trainer's own functions, loss and estimators — there is no separate toy trainer. Per seed, one
+supervised warm-up (train.py --steps 0) is shared by every variant: all variants of a seed start
+RL from the same policy. Interrupted? Run the same command again: finished runs are kept, the
+others resume from their latest checkpoint.
+
+The questions (one figure panel each), against the paper's ablations on the 106B model
+(full 66.8; w/o token-level loss 60.0; w/o cross-trajectory GAE 63.0; w/o summary training 64.5):
+  summaries   trained vs masked out of the loss vs written by a frozen copy of the initial policy
+  estimator   P (cross-trajectory GAE) vs N (naive per-segment) vs E (bootstrap across the
+              boundary) vs G (group-relative), on the short task and on a longer one where
+              more of each rollout comes after the compaction, so (γλ)^N_after is smaller
+  normalizer  token (paper eq. 12) vs segment vs rollout; rollouts have 0, 1 or 2 compactions
+  lambda      λ from the rollout's trainable length (paper) vs from the segment's
+  test-time K the base policy (trained with K = max_compactions) evaluated with K = 0 … 4
+
+Writes to out_dir: curves.json (every run's success per update), table.md, ablations.png.
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LONG = ["--memory-noise", "12"]  # two compactions; most trainable tokens after the first one
+
+# name -> (panels it appears in, train.py flags). "base" is the paper's recipe on the short task.
+VARIANTS = {
+    "base": (("summaries", "estimator/short", "normalizer", "lambda"), []),
+    "summaries=masked": (("summaries",), ["--summaries", "masked"]),
+    "summaries=frozen": (("summaries",), ["--summaries", "frozen"]),
+    "estimator=N": (("estimator/short",), ["--estimator", "N"]),
+    "estimator=E": (("estimator/short",), ["--estimator", "E"]),
+    "estimator=G": (("estimator/short",), ["--estimator", "G", "--group-size", "4"]),
+    "long/estimator=P": (("estimator/long",), LONG),
+    "long/estimator=N": (("estimator/long",), LONG + ["--estimator", "N"]),
+    "long/estimator=E": (("estimator/long",), LONG + ["--estimator", "E"]),
+    "long/estimator=G": (("estimator/long",), LONG + ["--estimator", "G", "--group-size", "4"]),
+    "normalizer=segment": (("normalizer",), ["--normalizer", "segment"]),
+    "normalizer=rollout": (("normalizer",), ["--normalizer", "rollout"]),
+    "lambda=segment": (("lambda",), ["--lam-mode", "segment"]),
+}
+QUICK = ("base", "summaries=masked", "summaries=frozen")  # the summaries panel, and test-time K
+EVAL_K = (0, 1, 2, 3, 4)
+EVAL_TASKS = {"short": 6, "long": 12}  # distractors: the training task (1 compaction) and one needing 2
+
+
+@dataclass
+class Config:
+    out_dir: str = "runs/ablations"
+    """Where runs, curves.json, table.md and ablations.png go."""
+    quick: bool = False
+    """The quick subset: variants in QUICK, 2 seeds."""
+    seeds: int = 5
+    """Seeds per variant (the quick subset uses 2)."""
+    variants: tuple[str, ...] = ()
+    """Run only these VARIANTS (names as in the table); empty = all, or QUICK with --quick."""
+    steps: int = 25
+    """RL updates per run (the default recipe reaches 0.9 in about 15)."""
+    rollouts_per_step: int = 256
+    """Rollouts per update (train.py's default; at 64-128 with a hidden-64 model nothing was learned
+    in 30 updates)."""
+    warmup_steps: int = 150
+    """Supervised warm-up steps, once per seed (train.py --warmup-steps)."""
+    jobs: int = 2
+    """Runs at once, one CPU thread each."""
+    eval_rollouts: int = 256
+    """Rollouts per K in the test-time compaction panel."""
+    extra: str = ""
+    """More train.py flags for every run, e.g. "--tiny-hidden 64" (space-separated)."""
+
+
+def train_cmd(out_dir, seed, flags, cfg):
+    return ([sys.executable, os.path.join(HERE, "train.py"), "--out-dir", out_dir, "--seed", str(seed),
+             "--rollouts-per-step", str(cfg.rollouts_per_step), "--save-every", "10", "--dump-every", "1000"]
+            + cfg.extra.split() + flags)
+
+
+def run_dir(root, name, seed):
+    return os.path.join(root, name.replace("/", "_"), f"s{seed}")
+
+
+def run(out_dir, cmd):
+    """Run one train.py to completion (resuming when interrupted before); a `done` file marks it."""
+    done = os.path.join(out_dir, "done")
+    if os.path.exists(done):
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    resume = os.path.isdir(os.path.join(out_dir, "checkpoints"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    with open(os.path.join(out_dir, "log.txt"), "a") as log:
+        rc = subprocess.run(cmd + (["--resume"] if resume else []), stdout=log, stderr=subprocess.STDOUT,
+                            env=env, cwd=HERE).returncode
+    if rc != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {rc}); see {out_dir}/log.txt")
+    open(done, "w").close()
+
+
+def curve(out_dir, key="rollout/success_given_compaction"):
+    """Success per update from a run's metrics.jsonl (a resumed run's repeated steps: last wins)."""
+    by_step = {}
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        for line in f:
+            m = json.loads(line)
+            by_step[m["step"]] = m[key]
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def updates_to(c, level, window=5):
+    """First update at which the trailing `window`-update mean reaches `level` (None if never)."""
+    for i in range(len(c)):
+        w = c[max(0, i - window + 1):i + 1]
+        if len(w) == window and sum(w) / window >= level:
+            return i
+    return None
+
+
+def evaluate(model_path, k, seed, n, n_noise):
+    """Success of the policy at `model_path` on n fresh memory tasks (n_noise distractors, no
+    short ones) with at most k compactions."""
+    import torch
+    import train
+    from model import ChatCodec, load_tokenizer
+    from rollout import make_engine, run_episodes
+    torch.set_num_threads(1)
+    cfg = train.Config(max_compactions=k, memory_p_short=0.0, memory_noise=n_noise, seed=seed)
+    tok = load_tokenizer(model_path)
+    engine = make_engine("hf", model_path, tok.pad_token_id, torch.device("cpu"), seed=seed)
+    envs, ids = train.make_envs(cfg, step=10**6, rank=0, per_rank=n)  # steps training never reaches
+    eps = run_episodes(engine, ChatCodec(tok), envs, train.rollout_config(cfg), list(range(n)), ids)
+    return sum(e.reward for e in eps) / n
+
+
+def mean_sd(xs):
+    return (statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0) if xs else (float("nan"), 0.0)
+
+
+def table(curves, evals, n_seeds):
+    lines = ["| variant | final success (mean ± sd) | updates to 0.5 | updates to 0.9 |", "| --- | --- | --- | --- |"]
+    for name in curves:
+        finals = [statistics.mean(c[-5:]) for c in curves[name]]
+        cells = []
+        for level in (0.5, 0.9):
+            hit = [u for u in (updates_to(c, level) for c in curves[name]) if u is not None]
+            cells.append(f"{statistics.median(hit):.0f} ({len(hit)}/{len(curves[name])} seeds)" if hit
+                         else f"– (0/{len(curves[name])})")
+        m, sd = mean_sd(finals)
+        lines.append(f"| {name} | {m:.2f} ± {sd:.2f} | {cells[0]} | {cells[1]} |")
+    if evals:
+        lines += ["", "| test-time K | " + " | ".join(f"{t} task" for t in EVAL_TASKS) + " |",
+                  "| --- |" + " --- |" * len(EVAL_TASKS)]
+        for k in EVAL_K:
+            cells = ["{:.2f} ± {:.2f}".format(*mean_sd(evals[f"{t}/K={k}"])) for t in EVAL_TASKS]
+            lines.append(f"| {k} | " + " | ".join(cells) + " |")
+        lines.append("\n(success of the base policy, trained with K = 3 on the short task; mean ± sd over seeds)")
+    return "\n".join(lines) + f"\n\nsuccess = rollout/success_given_compaction; {n_seeds} seeds.\n"
+
+
+def figure(curves, evals, names, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    panels = sorted({p for n in names for p in VARIANTS[n][0]}, key=list(dict.fromkeys(
+        p for v in VARIANTS.values() for p in v[0])).index)
+    fig, axes = plt.subplots(1, len(panels) + bool(evals), figsize=(4 * (len(panels) + bool(evals)), 3.2),
+                             squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for name in names:
+            if panel in VARIANTS[name][0] and name in curves:
+                n = min(len(c) for c in curves[name])
+                a = np.array([c[:n] for c in curves[name]])
+                mu, sd = a.mean(0), a.std(0)
+                ax.plot(mu, label=name)
+                ax.fill_between(range(n), mu - sd, mu + sd, alpha=0.2)
+        ax.set(title=panel, xlabel="update", ylim=(0, 1))
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("success given compaction")
+    if evals:
+        ax = axes[0][-1]
+        for t in EVAL_TASKS:
+            xs = [evals[f"{t}/K={k}"] for k in EVAL_K]
+            ax.errorbar(EVAL_K, [statistics.mean(x) for x in xs], yerr=[mean_sd(x)[1] for x in xs],
+                        marker="o", capsize=3, label=f"{t} task")
+        ax.legend(fontsize=7)
+        ax.set(title="test-time K (base policy)", xlabel="max compactions at test time", ylim=(0, 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(cfg):
+    names = list(cfg.variants or (QUICK if cfg.quick else VARIANTS))
+    unknown = [n for n in names if n not in VARIANTS]
+    assert not unknown, f"unknown variants {unknown}; known: {list(VARIANTS)}"
+    seeds = range(2 if cfg.quick else cfg.seeds)
+    root = os.path.abspath(cfg.out_dir)
+    warm = {s: os.path.join(root, f"warmup_s{s}") for s in seeds}
+
+    def warm_up(s):
+        run(warm[s], train_cmd(warm[s], s, ["--steps", "0", "--warmup-steps", str(cfg.warmup_steps)], cfg))
+
+    def rl(job):
+        name, s = job
+        flags = ["--model", os.path.join(warm[s], "hf"), "--warmup-steps", "0", "--steps", str(cfg.steps)]
+        flags += VARIANTS[name][1] + ([] if name == "base" else ["--no-export-hf"])  # base: for test-time K
+        run(run_dir(root, name, s), train_cmd(run_dir(root, name, s), s, flags, cfg))
+
+    with ThreadPoolExecutor(cfg.jobs) as pool:  # threads only wait on train.py processes
+        list(pool.map(warm_up, seeds))
+        list(pool.map(rl, [(n, s) for n in names for s in seeds]))
+    curves = {n: [curve(run_dir(root, n, s)) for s in seeds] for n in names}
+    evals = {f"{task}/K={k}": [evaluate(os.path.join(run_dir(root, "base", s), "hf"), k, s, cfg.eval_rollouts,
+                                        noise) for s in seeds]
+             for task, noise in EVAL_TASKS.items() for k in EVAL_K} if "base" in names else {}
+    with open(os.path.join(root, "curves.json"), "w") as f:
+        json.dump({"curves": curves, "test_time_k": evals, "variants": {n: VARIANTS[n][1] for n in names}}, f)
+    md = table(curves, evals, len(seeds))
+    with open(os.path.join(root, "table.md"), "w") as f:
+        f.write(md)
+    figure(curves, evals, names, os.path.join(root, "ablations.png"))
+    print(md)
+
+
+if __name__ == "__main__":
+    import tyro
+    main(tyro.cli(Config))

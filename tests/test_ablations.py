@@ -1,0 +1,34 @@
+"""ablations.py: the smallest grid (2 variants, 1 seed, 2 updates of 4 rollouts) end to end through
+real train.py processes; the outputs exist and parse. The science is in the script's output.
+
+Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_ablations.py
+"""
+import json
+import os
+
+import ablations
+
+
+def test_updates_to_uses_a_trailing_mean():
+    assert ablations.updates_to([0.0, 1.0, 1.0, 1.0, 1.0, 1.0], 0.9) == 5
+    assert ablations.updates_to([0.0, 1.0, 1.0, 1.0, 1.0, 1.0], 0.5) == 4
+    assert ablations.updates_to([0.4] * 10, 0.5) is None
+
+
+def test_smallest_grid_writes_curves_table_and_figure(tmp_path):
+    cfg = ablations.Config(out_dir=str(tmp_path), variants=("base", "summaries=frozen"), seeds=1, steps=2,
+                           rollouts_per_step=4, warmup_steps=2, eval_rollouts=4,
+                           extra="--value-pretrain-steps 1 --memory-noise 4 --context-budget 96")
+    ablations.main(cfg)
+    data = json.load(open(tmp_path / "curves.json"))
+    assert set(data["curves"]) == {"base", "summaries=frozen"}
+    assert all(len(c) == 2 and all(0 <= x <= 1 for x in c) for cs in data["curves"].values() for c in cs)
+    assert set(data["test_time_k"]) == {f"{t}/K={k}" for t in ablations.EVAL_TASKS for k in ablations.EVAL_K}
+    table = (tmp_path / "table.md").read_text()
+    assert "| base |" in table and "| summaries=frozen |" in table and "test-time K" in table
+    assert (tmp_path / "ablations.png").stat().st_size > 0
+    assert os.path.exists(tmp_path / "base" / "s0" / "done")
+    # a second call finds every run done and only rewrites the outputs
+    mtime = os.path.getmtime(tmp_path / "base" / "s0" / "metrics.jsonl")
+    ablations.main(cfg)
+    assert os.path.getmtime(tmp_path / "base" / "s0" / "metrics.jsonl") == mtime
