@@ -24,8 +24,8 @@ How the tiny model gets there (train.py): a supervised warm-up on episodes writt
 (half of its episodes are short, and the key's position varies, so the key is read by content —
 which is also how a summary is read back), and to write a summary that copies ONE observation
 line of the window, picked at random. After the warm-up the policy summarizes "noise X" far more
-often than "key X", and a compacted episode succeeds by chance (1/n_keys). Which line to keep —
-the key's — is never shown; every gain in `rollout/success_given_compaction` is a summary that
+often than "key X", and a compacted episode succeeds by chance (1/n_keys). That the key is what
+to keep is never shown; every gain in `rollout/success_given_compaction` is a summary that
 learned it by RL alone, credited through the GAE across the compaction boundary.
 """
 import random

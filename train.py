@@ -16,7 +16,7 @@ the tiny model and the memory task; a short supervised warm-up (memory_task.Warm
 that teaches a random-initialized model the shape of each turn, to answer with a key that is in
 its context, and that a summary repeats one observation line — picked at RANDOM, so after it a
 compacted episode succeeds by chance only; a learning rate for a 10^6-parameter model, not a
-10^10 one. Which line the summary must keep is learned by RL alone, credited through
+10^10 one. That the summary must keep the key is learned by RL alone, credited through
 cross-trajectory GAE.
 """
 import os
