@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LONG = ["--memory-noise", "12"]  # two compactions; most trainable tokens after the first one
+LONG = ["--memory-noise", "12"]  # three compactions; most trainable tokens after the first one
 
 # name -> (panels it appears in, train.py flags). "base" is the paper's recipe on the short task.
 VARIANTS = {
@@ -51,7 +51,7 @@ VARIANTS = {
 }
 QUICK = ("base", "summaries=frozen")  # does the summary have to be learned? and test-time K
 EVAL_K = (0, 1, 2, 3, 4)
-EVAL_TASKS = {"short": 6, "long": 12}  # distractors: the training task (1 compaction) and one needing 2
+EVAL_TASKS = {"short": 6, "long": 12}  # distractors: the training task (1 compaction) and one needing 3
 
 
 @dataclass
@@ -170,10 +170,10 @@ def figure(curves, evals, names, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-    panels = sorted({p for n in names for p in VARIANTS[n][0]}, key=list(dict.fromkeys(
-        p for v in VARIANTS.values() for p in v[0])).index)
-    fig, axes = plt.subplots(1, len(panels) + bool(evals), figsize=(4 * (len(panels) + bool(evals)), 3.2),
-                             squeeze=False)
+    order = list(dict.fromkeys(p for v in VARIANTS.values() for p in v[0]))
+    panels = [p for p in order if sum(p in VARIANTS[n][0] for n in names) > 1]  # a comparison, not one line
+    cols = max(1, len(panels) + bool(evals))
+    fig, axes = plt.subplots(1, cols, figsize=(4 * cols, 3.2), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         for name in names:
             if panel in VARIANTS[name][0] and name in curves:
