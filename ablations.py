@@ -1,7 +1,7 @@
 """The paper's ablations at CPU scale, on the built-in memory task, with train.py itself.
 
     python ablations.py --quick          # trained vs frozen summaries and test-time K, 2 seeds
-    python ablations.py                  # the full grid: 5 panels, 5 seeds
+    python ablations.py                  # the full grid: 5 panels, 5 seeds (≈ 10 h on 2 cores)
     python ablations.py --jobs 4         # more runs at once on a bigger machine
 
 Every run is `python train.py <flags>` in its own process (one thread), so each variant uses the
@@ -16,7 +16,8 @@ The questions (one figure panel each), against the paper's ablations on the 106B
   estimator   P (cross-trajectory GAE) vs N (naive per-segment) vs E (bootstrap across the
               boundary) vs G (group-relative), on the short task and on a longer one where
               more of each rollout comes after the compaction, so (γλ)^N_after is smaller
-  normalizer  token (paper eq. 12) vs segment vs rollout; rollouts have 0, 1 or 2 compactions
+  normalizer  token (paper eq. 12) vs segment vs rollout; a batch mixes rollouts with 0 and 1
+              compactions (train.py's --memory-p-short)
   lambda      λ from the rollout's trainable length (paper) vs from the segment's
   test-time K the base policy (trained with K = max_compactions) evaluated with K = 0 … 4
 
