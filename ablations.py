@@ -31,6 +31,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from metrics import read_metrics
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 LONG = ["--memory-noise", "12"]  # three compactions; most trainable tokens after the first one
 
@@ -107,13 +109,8 @@ def run(out_dir, cmd):
 
 
 def curve(out_dir, key="rollout/success_given_compaction"):
-    """Success per update from a run's metrics.jsonl (a resumed run's repeated steps: last wins)."""
-    by_step = {}
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        for line in f:
-            m = json.loads(line)
-            by_step[m["step"]] = m[key]
-    return [by_step[s] for s in sorted(by_step)]
+    """Success per update from a run's metrics.jsonl."""
+    return [m[key] for m in read_metrics(os.path.join(out_dir, "metrics.jsonl"))]
 
 
 def updates_to(c, level, window=5):

@@ -81,15 +81,17 @@ class Logger:
     """Rank 0 writes metrics.jsonl (and TensorBoard / W&B when asked); other ranks hold a
     do-nothing twin so the loop never branches on rank."""
 
-    def __init__(self, cfg, rank, resume):
+    def __init__(self, cfg, rank, start):
         self.on = rank == 0
         self.path = os.path.join(cfg.out_dir, "metrics.jsonl")
         self.tb = self.wb = None
         if not self.on:
             return
         os.makedirs(cfg.out_dir, exist_ok=True)
-        if not resume and os.path.exists(self.path):
-            os.remove(self.path)
+        if os.path.exists(self.path):  # keep the steps before `start`: a resumed run redoes the rest
+            kept = [line for line in open(self.path) if json.loads(line)["step"] < start]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(os.path.join(cfg.out_dir, "tb"))
@@ -114,13 +116,18 @@ class Logger:
                 f.write(content)
 
 
+def read_metrics(metrics_path):
+    """The records of a metrics.jsonl, one per step in order."""
+    with open(metrics_path) as f:
+        return [json.loads(line) for line in f]
+
+
 def plot_curve(metrics_path, png_path):
     """Success (reward) per step and the compaction rate, from metrics.jsonl."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    recs = [json.loads(line) for line in open(metrics_path)]
-    recs = [r for r in recs if "rollout/reward" in r]
+    recs = [r for r in read_metrics(metrics_path) if "rollout/reward" in r]
     if not recs:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))

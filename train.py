@@ -581,7 +581,6 @@ def main(cfg):
     opt_c = torch.optim.Adam(critic.parameters(), lr=cfg.critic_lr)
     # CRUCIAL: a different sampling seed per rank, or every rank would sample the same rollouts.
     fsdp.set_rng_state(seeded_rng(cfg.seed + rank))
-    logger = Logger(cfg, rank, cfg.resume)
     ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
     models = {"actor": actor, "critic": critic, **({"ref": ref} if ref is not None else {})}
     start = 0
@@ -591,6 +590,7 @@ def main(cfg):
         start = extra["step"] + 1
         fsdp.set_rng_state(extra["rng"])
         print0(f"resumed from {latest} at step {start}")
+    logger = Logger(cfg, rank, start)
     engine = engine_for(cfg, model_path, pad_id, device)
     if start == 0 and cfg.warmup_steps:
         warmup(actor, cfg, codec, tokenizer, rank, per_rank, pad_id, device, print0)

@@ -3,7 +3,6 @@ on the same global batch; the optimized loss is the global token mean; resume is
 
 Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_train.py   (about 2 minutes on 2 cores)
 """
-import json
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import torch
 import train
 from advantage import cross_trajectory_gae, rollout_lengths
 from loss import ppo_policy_loss
+from metrics import read_metrics
 from model import build_tiny_model, load_policy, load_tokenizer, token_logprobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +31,7 @@ def run(args, nproc=None, timeout=600):
 
 
 def metrics(out):
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return read_metrics(os.path.join(out, "metrics.jsonl"))
 
 
 @pytest.mark.parametrize("nproc", [None, 2])
@@ -104,3 +104,18 @@ def test_resume_is_exact(tmp_path):
     assert [r["step"] for r in rb] == [0, 1, 2, 3]
     for x, y in zip(ra, rb):
         assert x["rollout/reward"] == y["rollout/reward"] and x["rollout/turns"] == y["rollout/turns"]
+
+
+def test_logger_drops_the_steps_a_resumed_run_redoes(tmp_path):
+    from types import SimpleNamespace
+
+    from metrics import Logger
+    cfg = SimpleNamespace(out_dir=str(tmp_path), tensorboard=False, wandb=False)
+    log = Logger(cfg, rank=0, start=0)
+    for step in range(4):
+        log.log(step, {"rollout/reward": step / 4})
+    path = str(tmp_path / "metrics.jsonl")
+    Logger(cfg, rank=0, start=2).log(2, {"rollout/reward": 1.0})  # resumed from the step-1 checkpoint
+    assert [(r["step"], r["rollout/reward"]) for r in read_metrics(path)] == [(0, 0.0), (1, 0.25), (2, 1.0)]
+    Logger(cfg, rank=0, start=0)  # a fresh run starts an empty file
+    assert read_metrics(path) == []
