@@ -122,20 +122,24 @@ def updates_to(c, level, window=5):
     return None
 
 
-def evaluate(model_path, k, seed, n, n_noise):
-    """Success of the policy at `model_path` on n fresh memory tasks (n_noise distractors, no
-    short ones) with at most k compactions."""
+def evaluate(model_path, seed, n):
+    """{"<task>/K=<k>": success} of the policy at `model_path` on n fresh memory tasks of each of
+    EVAL_TASKS (no short ones), with at most k compactions for each k in EVAL_K."""
     import torch
     import train
     from model import ChatCodec, load_tokenizer
     from rollout import make_engine, run_episodes
     torch.set_num_threads(1)
-    cfg = train.Config(max_compactions=k, memory_p_short=0.0, memory_noise=n_noise, seed=seed)
     tok = load_tokenizer(model_path)
     engine = make_engine("hf", model_path, tok.pad_token_id, torch.device("cpu"), seed=seed)
-    envs, ids = train.make_envs(cfg, step=10**6, rank=0, per_rank=n)  # steps training never reaches
-    eps = run_episodes(engine, ChatCodec(tok), envs, train.rollout_config(cfg), list(range(n)), ids)
-    return sum(e.reward for e in eps) / n
+    out = {}
+    for task, n_noise in EVAL_TASKS.items():
+        for k in EVAL_K:
+            cfg = train.Config(max_compactions=k, memory_p_short=0.0, memory_noise=n_noise, seed=seed)
+            envs, ids = train.make_envs(cfg, step=10**6, rank=0, per_rank=n)  # steps training never reaches
+            eps = run_episodes(engine, ChatCodec(tok), envs, train.rollout_config(cfg), list(range(n)), ids)
+            out[f"{task}/K={k}"] = sum(e.reward for e in eps) / n
+    return out
 
 
 def mean_sd(xs):
@@ -216,9 +220,10 @@ def main(cfg):
         list(pool.map(warm_up, seeds))
         list(pool.map(rl, [(n, s) for n in names for s in seeds]))
     curves = {n: [curve(run_dir(root, n, s)) for s in seeds] for n in names}
-    evals = {f"{task}/K={k}": [evaluate(os.path.join(run_dir(root, "base", s), "hf"), k, s, cfg.eval_rollouts,
-                                        noise) for s in seeds]
-             for task, noise in EVAL_TASKS.items() for k in EVAL_K} if "base" in names else {}
+    evals = {}
+    if "base" in names:  # per seed, then regrouped as {"<task>/K=<k>": [success per seed]}
+        per_seed = [evaluate(os.path.join(run_dir(root, "base", s), "hf"), s, cfg.eval_rollouts) for s in seeds]
+        evals = {key: [e[key] for e in per_seed] for key in per_seed[0]}
     with open(os.path.join(root, "curves.json"), "w") as f:
         json.dump({"curves": curves, "test_time_k": evals, "variants": {n: VARIANTS[n][1] for n in names}}, f)
     md = table(curves, evals, len(seeds))
