@@ -373,19 +373,3 @@ def format_episode(ep, decode):
             mark = "TRAIN" if kind in TRAINABLE_KINDS else "     "
             lines.append(f"[{mark} {kind}] {decode(seg.response_ids[a:b])!r}")
     return "\n".join(lines)
-
-
-def pack_micro_batches(lengths, max_tokens):
-    """Group row indices into micro-batches whose padded size (rows × longest row) stays within
-    `max_tokens`: rows sorted by length, so each micro-batch holds rows of similar length and
-    padding stays low. A row longer than the budget gets a micro-batch of its own."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * lengths[cur[0]] > max_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    return batches

@@ -35,7 +35,8 @@ from loss import finalize_metrics, normalizer_weights, ppo_policy_loss, value_lo
 from metrics import (Logger, explained_variance, merge_sums, plot_curve, reduce_sums, rollout_metrics,
                      segment_share_metrics, timed)
 from model import Actor, ChatCodec, Critic, build_tiny_model, export_pretrained, load_tokenizer
-from rollout import RolloutConfig, format_episode, make_engine, pack_micro_batches, run_episodes
+from batch import micro_batches, minibatch_indices, pad, to_rows
+from rollout import RolloutConfig, format_episode, make_engine, run_episodes
 
 
 @dataclass
@@ -271,53 +272,6 @@ def rollout_config(cfg):
                          repeat_task=cfg.repeat_task, temperature=cfg.temperature)
 
 
-# --- batches of segments ------------------------------------------------------------------------
-
-def to_rows(segments, summaries):
-    """Per-segment 1-D tensors; per-token ones are aligned with the targets (T = L − 1)."""
-    rows = []
-    for s in segments:
-        p, n = len(s.prompt_ids), len(s.ids)
-        mask = torch.zeros(n - 1)
-        mask[p - 1:] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        if summaries == "masked":  # ablation: summary tokens out of the loss (and of N_after)
-            for kind, a, b in s.spans:
-                if kind == "summary":
-                    mask[p - 1 + a:p - 1 + b] = 0
-        lps = torch.zeros(n - 1)
-        lps[p - 1:] = torch.tensor(s.logprobs, dtype=torch.float32)
-        rows.append({"ids": torch.tensor(s.ids), "mask": mask, "sampler_logprobs": lps,
-                     "reward": s.reward, "rollout_id": s.rollout_id, "segment_index": s.segment_index})
-    return rows
-
-
-def pad(tensors, value=0.0):
-    """List of 1-D tensors -> (B, max len), right-padded."""
-    out = torch.full((len(tensors), max(len(t) for t in tensors)), value, dtype=tensors[0].dtype)
-    for i, t in enumerate(tensors):
-        out[i, :len(t)] = t
-    return out
-
-
-def micro_batches(rows, idx, max_tokens, pad_id, device, keys=()):
-    """Pack rows[idx] by the token budget; every rank gets the same number of micro-batches
-    (SPEC §4: collectives must line up), the missing ones as fully masked dummies (None)."""
-    mbs = [[idx[i] for i in mb] for mb in pack_micro_batches([len(rows[i]["ids"]) for i in idx], max_tokens)]
-    n = int(fsdp.all_reduce(len(mbs), dist.ReduceOp.MAX))
-    for mb in mbs + [None] * (n - len(mbs)):
-        if mb is None:
-            ids = torch.full((1, 2), pad_id, dtype=torch.long)
-            yield None, {"input_ids": ids.to(device), "attention": torch.ones_like(ids).to(device),
-                         "mask": torch.zeros(1, 1, device=device)}
-            continue
-        ids = pad([rows[i]["ids"] for i in mb], pad_id)
-        attn = pad([torch.ones(len(rows[i]["ids"]), dtype=torch.long) for i in mb])
-        batch = {"input_ids": ids.to(device), "attention": attn.to(device)}
-        for k in ("mask",) + tuple(keys):
-            batch[k] = pad([rows[i][k] for i in mb]).to(device)
-        yield mb, batch
-
-
 # --- (2) old log-probs and values ---------------------------------------------------------------
 
 @torch.no_grad()
@@ -372,13 +326,6 @@ def advantages(rows, cfg, group_ids):
 
 
 # --- (4)/(5) optimization -------------------------------------------------------------------------
-
-def minibatch_indices(rows, n):
-    """Split this rank's rollouts (not segments: siblings stay together) into n mini-batches."""
-    rids = sorted({r["rollout_id"] for r in rows})
-    chunks = [rids[i * len(rids) // n:(i + 1) * len(rids) // n] for i in range(n)]
-    return [[i for i, r in enumerate(rows) if r["rollout_id"] in set(c)] for c in chunks]
-
 
 def optimize(module, optimizer, rows, idx, loss_fn, cfg, pad_id, device, keys):
     """One optimizer step over the mini-batch rows[idx] on every rank.

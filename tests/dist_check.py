@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import batch  # noqa: E402
 import fsdp  # noqa: E402
 import train  # noqa: E402
 from rollout import Segment  # noqa: E402
@@ -59,7 +60,7 @@ def main(out_path, model_dir):
     actor, critic = train.make_models(cfg, model_dir, device)
     segs = fixed_segments(len(tok))
     mine = [s for s in segs if s.rollout_id % world == rank]  # a rollout's segments stay together
-    rows = train.to_rows(mine, "trained")
+    rows = batch.to_rows(mine, "trained")
     train.score(actor, critic, rows, cfg, tok.pad_token_id, device)
     train.advantages(rows, cfg, [r["rollout_id"] for r in rows])
     idx = list(range(len(rows)))

@@ -6,12 +6,11 @@ Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_rollout.py
 import pytest
 import torch
 
+import batch
 import memory_task
-import train
 from compaction import resume_text
 from model import Actor, ChatCodec, build_tiny_model, load_policy, load_tokenizer
-from rollout import (Generation, HFEngine, RolloutConfig, clip_tokens, format_episode,
-                     pack_micro_batches, run_episodes)
+from rollout import Generation, HFEngine, RolloutConfig, clip_tokens, format_episode, run_episodes
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +187,7 @@ def test_format_errors_end_the_episode(tiny):
 
 
 def test_real_model_episode_batch_and_trainer_recompute(tiny):
-    """The real tiny model end to end; the trainer's log-probs on its padded rows (train.to_rows) equal the
+    """The real tiny model end to end; the trainer's log-probs on its padded rows (batch.to_rows) equal the
     sampler's (token-in/token-out, left- vs right-padding, across compactions)."""
     tok, codec, lm = tiny
     torch.manual_seed(0)
@@ -198,10 +197,10 @@ def test_real_model_episode_batch_and_trainer_recompute(tiny):
                        list(range(6)), [r["task_id"] for r in rows])
     segs = [s for e in eps for s in e.segments]
     assert any(e.compactions for e in eps) and len(segs) > len(eps)
-    rows = train.to_rows(segs, "trained")
-    ids = train.pad([r["ids"] for r in rows], tok.pad_token_id)
-    attn = train.pad([torch.ones(len(r["ids"]), dtype=torch.long) for r in rows])
-    mask, sampler = train.pad([r["mask"] for r in rows]), train.pad([r["sampler_logprobs"] for r in rows])
+    rows = batch.to_rows(segs, "trained")
+    ids = batch.pad([r["ids"] for r in rows], tok.pad_token_id)
+    attn = batch.pad([torch.ones(len(r["ids"]), dtype=torch.long) for r in rows])
+    mask, sampler = batch.pad([r["mask"] for r in rows]), batch.pad([r["sampler_logprobs"] for r in rows])
     with torch.no_grad():
         lp, _ = Actor(lm, chunk_size=16)(ids, attn, 0.8)
     m = mask > 0
@@ -213,7 +212,7 @@ def test_real_model_episode_batch_and_trainer_recompute(tiny):
 
 def test_pack_micro_batches_respects_budget():
     lengths = [5, 100, 7, 50, 50, 3, 30, 300]
-    mbs = pack_micro_batches(lengths, 120)
+    mbs = batch.pack_micro_batches(lengths, 120)
     assert sorted(i for mb in mbs for i in mb) == list(range(len(lengths)))
     for mb in mbs:
         assert len(mb) * max(lengths[i] for i in mb) <= 120 or len(mb) == 1

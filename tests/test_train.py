@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import batch
 import train
 from advantage import cross_trajectory_gae, rollout_lengths
 from loss import ppo_policy_loss
@@ -72,15 +73,15 @@ def test_one_rank_equals_two_ranks_and_loss_is_the_global_token_mean(tmp_path):
     # the gradient FSDP produced = the gradient of (1/Z) Σ PPO loss over the whole batch, one pass
     from tests.dist_check import fixed_segments
     tok = load_tokenizer(model)
-    rows = train.to_rows(fixed_segments(len(tok)), "trained")
-    mask = train.pad([r["mask"] for r in rows]).double()
+    rows = batch.to_rows(fixed_segments(len(tok)), "trained")
+    mask = batch.pad([r["mask"] for r in rows]).double()
     rid = torch.tensor([r["rollout_id"] for r in rows])
     n_after, _ = rollout_lengths(mask, rid, torch.tensor([r["segment_index"] for r in rows]))
     rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
     adv, _ = cross_trajectory_gae(torch.zeros_like(mask), mask, rewards, n_after, 1.0, 0.9)  # V ≡ 0 at init
     lm = load_policy(model)
-    ids = train.pad([r["ids"] for r in rows], tok.pad_token_id)
-    attn = train.pad([torch.ones(len(r["ids"]), dtype=torch.long) for r in rows])
+    ids = batch.pad([r["ids"] for r in rows], tok.pad_token_id)
+    attn = batch.pad([torch.ones(len(r["ids"]), dtype=torch.long) for r in rows])
     lp, _ = token_logprobs(lm, ids, attn, ids[:, 1:])
     loss, _ = ppo_policy_loss(lp, lp.detach(), adv.float(), mask.float())
     (loss / mask.sum()).backward()
