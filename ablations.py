@@ -3,6 +3,7 @@
     python ablations.py --quick          # trained vs frozen summaries and test-time K, 2 seeds
     python ablations.py                  # the full grid: 5 panels, 5 seeds (≈ 10 h on 2 cores)
     python ablations.py --jobs 4         # more runs at once on a bigger machine
+    python ablations.py --report-only    # table and figure of the runs finished so far
 
 Every run is `python train.py <flags>` in its own process (one thread), so each variant uses the
 trainer's own functions, loss and estimators — there is no separate toy trainer. Per seed, one
@@ -80,6 +81,8 @@ class Config:
     """Rollouts per K in the test-time compaction panel."""
     extra: str = ""
     """More train.py flags for every run, e.g. "--tiny-hidden 64" (space-separated)."""
+    report_only: bool = False
+    """Train nothing: tabulate and plot the runs that have finished so far (a partial grid)."""
 
 
 def train_cmd(out_dir, seed, flags, cfg):
@@ -146,8 +149,9 @@ def mean_sd(xs):
     return (statistics.mean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0) if xs else (float("nan"), 0.0)
 
 
-def table(curves, evals, n_seeds):
-    lines = ["| variant | final success (mean ± sd) | updates to 0.5 | updates to 0.9 |", "| --- | --- | --- | --- |"]
+def table(curves, evals):
+    lines = ["| variant | seeds | final success (mean ± sd) | updates to 0.5 | updates to 0.9 |",
+             "| --- | --- | --- | --- | --- |"]
     for name in curves:
         finals = [statistics.mean(c[-5:]) for c in curves[name]]
         cells = []
@@ -156,7 +160,7 @@ def table(curves, evals, n_seeds):
             cells.append(f"{statistics.median(hit):.0f} ({len(hit)}/{len(curves[name])} seeds)" if hit
                          else f"– (0/{len(curves[name])})")
         m, sd = mean_sd(finals)
-        lines.append(f"| {name} | {m:.2f} ± {sd:.2f} | {cells[0]} | {cells[1]} |")
+        lines.append(f"| {name} | {len(curves[name])} | {m:.2f} ± {sd:.2f} | {cells[0]} | {cells[1]} |")
     if evals:
         lines += ["", "| test-time K | " + " | ".join(f"{t} task" for t in EVAL_TASKS) + " |",
                   "| --- |" + " --- |" * len(EVAL_TASKS)]
@@ -164,7 +168,7 @@ def table(curves, evals, n_seeds):
             cells = ["{:.2f} ± {:.2f}".format(*mean_sd(evals[f"{t}/K={k}"])) for t in EVAL_TASKS]
             lines.append(f"| {k} | " + " | ".join(cells) + " |")
         lines.append("\n(success of the base policy, trained with K = 3 on the short task; mean ± sd over seeds)")
-    return "\n".join(lines) + f"\n\nsuccess = rollout/success_given_compaction; {n_seeds} seeds.\n"
+    return "\n".join(lines) + "\n\nsuccess = rollout/success_given_compaction (mean of the last 5 updates for the final).\n"
 
 
 def figure(curves, evals, names, path):
@@ -216,17 +220,21 @@ def main(cfg):
         flags += VARIANTS[name][1] + ([] if name == "base" else ["--no-export-hf"])  # base: for test-time K
         run(run_dir(root, name, s), train_cmd(run_dir(root, name, s), s, flags, cfg))
 
-    with ThreadPoolExecutor(cfg.jobs) as pool:  # threads only wait on train.py processes
-        list(pool.map(warm_up, seeds))
-        list(pool.map(rl, [(n, s) for n in names for s in seeds]))
-    curves = {n: [curve(run_dir(root, n, s)) for s in seeds] for n in names}
+    if not cfg.report_only:
+        with ThreadPoolExecutor(cfg.jobs) as pool:  # threads only wait on train.py processes
+            list(pool.map(warm_up, seeds))
+            list(pool.map(rl, [(n, s) for n in names for s in seeds]))
+    finished = {n: [s for s in seeds if os.path.exists(os.path.join(run_dir(root, n, s), "done"))] for n in names}
+    names = [n for n in names if finished[n]]
+    curves = {n: [curve(run_dir(root, n, s)) for s in finished[n]] for n in names}
     evals = {}
     if "base" in names:  # per seed, then regrouped as {"<task>/K=<k>": [success per seed]}
-        per_seed = [evaluate(os.path.join(run_dir(root, "base", s), "hf"), s, cfg.eval_rollouts) for s in seeds]
+        per_seed = [evaluate(os.path.join(run_dir(root, "base", s), "hf"), s, cfg.eval_rollouts)
+                    for s in finished["base"]]
         evals = {key: [e[key] for e in per_seed] for key in per_seed[0]}
     with open(os.path.join(root, "curves.json"), "w") as f:
         json.dump({"curves": curves, "test_time_k": evals, "variants": {n: VARIANTS[n][1] for n in names}}, f)
-    md = table(curves, evals, len(seeds))
+    md = table(curves, evals)
     with open(os.path.join(root, "table.md"), "w") as f:
         f.write(md)
     figure(curves, evals, names, os.path.join(root, "ablations.png"))

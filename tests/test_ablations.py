@@ -32,3 +32,9 @@ def test_smallest_grid_writes_curves_table_and_figure(tmp_path):
     mtime = os.path.getmtime(tmp_path / "base" / "s0" / "metrics.jsonl")
     ablations.main(cfg)
     assert os.path.getmtime(tmp_path / "base" / "s0" / "metrics.jsonl") == mtime
+    # --report-only trains nothing and leaves out what has not run
+    cfg.variants, cfg.report_only = ("base", "summaries=masked"), True
+    ablations.main(cfg)
+    assert not os.path.exists(tmp_path / "summaries=masked")
+    assert set(json.load(open(tmp_path / "curves.json"))["curves"]) == {"base"}
+    assert "| base | 1 |" in (tmp_path / "table.md").read_text()
