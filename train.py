@@ -293,7 +293,9 @@ def score(actor, critic, rows, cfg, pad_id, device, ref=None):
 
 def advantages(rows, cfg, group_ids):
     """Â and the critic target G for every row (SPEC §3); all segments of a rollout are local.
-    Writes rows[i]["advantages"], ["returns"]; returns Σ λ over trainable tokens (for the log)."""
+    Writes rows[i]["advantages"], ["returns"]. Returns sums for the log: Σ λ over trainable tokens,
+    and Σ (γλ)^N_after and the token count over windows that have a later one (eq. 14's factor,
+    whichever estimator runs)."""
     mask = pad([r["mask"] for r in rows]).double()
     values = pad([r["old_values"] for r in rows]).double() * mask
     rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
@@ -322,7 +324,10 @@ def advantages(rows, cfg, group_ids):
         T = len(r["mask"])
         r["advantages"], r["returns"] = adv[i, :T].float(), ret[i, :T].float()
     lam_rows = torch.as_tensor(lam, dtype=torch.float64).expand(len(rows))
-    return float((lam_rows * mask.sum(1)).sum())  # Σ over tokens of λ, for the token-weighted mean
+    tokens, early = mask.sum(1), (n_after > 0).double()
+    factor = torch.pow(cfg.gamma * lam_rows, n_after.double())  # (B,) eq. (14)
+    return {"lambda": float((lam_rows * tokens).sum()), "correction": float((factor * tokens * early).sum()),
+            "early_tokens": float((tokens * early).sum())}
 
 
 # --- (4)/(5) optimization -------------------------------------------------------------------------
@@ -455,9 +460,11 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
     diff = sum(float(((r["old_logprobs"] - r["sampler_logprobs"]).abs() * r["mask"]).sum()) for r in rows)
     # (3) advantages and returns
     with timed(times, "advantage"):
-        lam_sum = advantages(rows, cfg, [group_of[r["rollout_id"]] for r in rows]) if rows else 0.0
+        sums = advantages(rows, cfg, [group_of[r["rollout_id"]] for r in rows]) if rows else {}
+    sums = {k: float(fsdp.all_reduce(sums.get(k, 0.0))) for k in ("lambda", "correction", "early_tokens")}
     m.update(rollout_metrics(episodes, rows))
-    m["adv/lambda"] = float(fsdp.all_reduce(lam_sum)) / max(m["rollout/trainable_tokens"], 1)
+    m["adv/lambda"] = sums["lambda"] / max(m["rollout/trainable_tokens"], 1)
+    m["adv/correction"] = sums["correction"] / max(sums["early_tokens"], 1)
     m["policy/sampler_logprob_diff"] = float(fsdp.all_reduce(diff)) / max(m["rollout/trainable_tokens"], 1)
     mbs = minibatch_indices(rows, cfg.mini_batches)
     # (4) critic updates (value pre-training: only these for the first steps)

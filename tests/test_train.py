@@ -45,7 +45,7 @@ def test_end_to_end(tmp_path, nproc):
     assert [r["step"] for r in recs] == [0, 1]
     for key in ("rollout/reward", "rollout/compactions", "rollout/summary_tokens", "rollout/truncation_rate",
                 "rollout/success_given_compaction", "rollout/trainable_tokens", "value/explained_variance",
-                "time/rollout", "time/tokens_per_s", "adv/share_seg0"):
+                "time/rollout", "time/tokens_per_s", "adv/share_seg0", "adv/correction"):
         assert key in recs[-1], key
     assert "policy/clipfrac" in recs[1] and "policy/approx_kl" in recs[1]  # step 1: first policy update
     assert "policy/clipfrac" not in recs[0]  # step 0: value pre-training only
@@ -56,6 +56,24 @@ def test_end_to_end(tmp_path, nproc):
     assert os.path.exists(os.path.join(out, "curve.png"))
     assert "TRAIN action" in open(os.path.join(out, "samples_step00001.txt")).read()
     load_policy(os.path.join(out, "hf"))  # the export loads in transformers
+
+
+def test_logged_lambda_and_correction_match_a_loop():
+    """adv/lambda and adv/correction sums: rollout 0 has windows of 3 and 2 trainable tokens,
+    rollout 1 one window of 4; only rollout 0's first window has a later one (N_after = 2)."""
+    def row(mask, rid, seg):
+        mask = torch.tensor(mask, dtype=torch.float32)
+        return {"mask": mask, "old_values": torch.zeros_like(mask), "reward": 1.0, "rollout_id": rid,
+                "segment_index": seg}
+    masks = [([0, 1, 1, 1], 0, 0), ([0, 0, 1, 1], 0, 1), ([1, 1, 1, 1, 0], 1, 0)]
+    fixed = train.advantages([row(*m) for m in masks], train.Config(lam_mode="fixed", lam=0.9, gamma=0.99),
+                             [0, 0, 1])
+    assert fixed["lambda"] == pytest.approx(0.9 * 9)
+    assert fixed["early_tokens"] == 3 and fixed["correction"] == pytest.approx(3 * (0.99 * 0.9) ** 2)
+    adaptive = train.advantages([row(*m) for m in masks], train.Config(), [0, 0, 1])  # λ = 1 − 1/(1.5·T)
+    lam0, lam1 = 1 - 1 / (1.5 * 5), 1 - 1 / (1.5 * 4)
+    assert adaptive["lambda"] == pytest.approx(5 * lam0 + 4 * lam1)
+    assert adaptive["correction"] == pytest.approx(3 * lam0 ** 2)
 
 
 def test_one_rank_equals_two_ranks_and_loss_is_the_global_token_mean(tmp_path):
