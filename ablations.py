@@ -15,8 +15,8 @@ The questions (one figure panel each), against the paper's ablations on the 106B
 (full 66.8; w/o token-level loss 60.0; w/o cross-trajectory GAE 63.0; w/o summary training 64.5):
   summaries   trained vs masked out of the loss vs written by a frozen copy of the initial policy
   estimator   P (cross-trajectory GAE) vs N (naive per-segment) vs E (bootstrap across the
-              boundary) vs G (group-relative), on the short task and on a longer one where
-              more of each rollout comes after the compaction, so (γλ)^N_after is smaller
+              boundary) vs G (group-relative), on the short task ((γλ)^N_after ≈ 0.88) and on
+              a longer one (≈ 0.50, see LONG)
   normalizer  token (paper eq. 12) vs segment vs rollout; a batch mixes rollouts with 0 and 1
               compactions (train.py's --memory-p-short)
   lambda      λ from the rollout's trainable length (paper) vs from the segment's
@@ -35,7 +35,11 @@ from dataclasses import dataclass
 from metrics import read_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LONG = ["--memory-noise", "12"]  # three compactions; most trainable tokens after the first one
+# The long task: 12 distractors, ~2.3 compactions per rollout. With a fixed λ = 0.95 the factor
+# (γλ)^N_after of eq. 14 (train.py logs it as adv/correction) measured 0.50 there, against 0.88 on
+# the short task with the paper's adaptive λ (0.82 at λ = 0.95). Adaptive λ = 1 − 1/(1.5·T) cannot
+# push it below exp(−2/3) ≈ 0.51 (measured 0.78 on the long task), so the long panel fixes λ.
+LONG = ["--memory-noise", "12", "--lam-mode", "fixed", "--lam", "0.95"]
 
 # name -> (panels it appears in, train.py flags). "base" is the paper's recipe on the short task.
 VARIANTS = {
