@@ -30,12 +30,12 @@ import fsdp
 import memory_task
 from advantage import (adaptive_lambda, concatenated_gae, cross_trajectory_gae, group_advantage,
                        masked_whiten, rollout_lengths, segment_gae)
+from batch import micro_batches, minibatch_indices, pad, to_rows
 from compaction import SUMMARY_INSTRUCTION
 from loss import finalize_metrics, normalizer_weights, ppo_policy_loss, value_loss
 from metrics import (Logger, explained_variance, merge_sums, plot_curve, reduce_sums, rollout_metrics,
                      segment_share_metrics, timed)
 from model import Actor, ChatCodec, Critic, build_tiny_model, export_pretrained, load_tokenizer
-from batch import micro_batches, minibatch_indices, pad, to_rows
 from rollout import RolloutConfig, format_episode, make_engine, run_episodes
 
 
