@@ -76,8 +76,8 @@ class Config:
     """RL updates per run (the lr decays to 0 over them; the default run passed 0.9 at update 22)."""
     rollouts_per_step: int = 256
     """Rollouts per update (train.py's default). Measured, seed 0: at 128 the hidden-128 model also
-    learns (0.9 at update 33 instead of 15, at half the cost per update); a hidden-64 model at 128
-    stayed below 0.4 for 40 updates (actor lr 1e-3 or 3e-3)."""
+    learns (trailing mean 0.9 at update 34 instead of 17, at half the cost per update); a hidden-64
+    model at 128 never passed 0.4 (actor lr 1e-3: 40 updates; 3e-3: 29 updates)."""
     warmup_steps: int = 150
     """Supervised warm-up steps, once per seed (train.py --warmup-steps)."""
     jobs: int = 2
