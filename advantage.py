@@ -126,10 +126,16 @@ def cross_trajectory_gae(values, mask, rewards, n_after, gamma, lam):
     if (n_after < 0).any():
         raise ValueError(f"n_after must be >= 0, got min {n_after.min().item()}")
     a_loc = _masked_gae_scan(values, mask, rewards, gamma, lam)  # eq. (13)
-    gl = gamma * torch.as_tensor(lam, dtype=torch.float64, device=values.device)
-    # (γλ)^N computed as exp(N·log γλ): no overflow/underflow surprises for N in the 10^5 range.
-    weight = torch.exp(n_after.to(torch.float64) * torch.log(gl)).to(values.dtype)  # (B,) eq. (14)
+    weight = correction_factor(n_after, gamma, lam).to(values.dtype)  # (B,) eq. (14)
     return a_loc * weight[:, None], (a_loc + values) * mask
+
+
+def correction_factor(n_after, gamma, lam):
+    """(γλ)^N_after, eq. (14)'s factor: n_after (B,), lam a number or (B,). Returns (B,) float64.
+    Computed as exp(N·log γλ): no overflow/underflow surprises for N in the 10^5 range."""
+    n_after = torch.as_tensor(n_after)
+    gl = gamma * torch.as_tensor(lam, dtype=torch.float64, device=n_after.device)
+    return torch.exp(n_after.to(torch.float64) * torch.log(gl))
 
 
 def concatenated_gae(values, mask, rewards, rollout_ids, segment_index, gamma, lam):

@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 import fsdp
 import memory_task
-from advantage import (adaptive_lambda, concatenated_gae, cross_trajectory_gae, group_advantage,
-                       masked_whiten, rollout_lengths, segment_gae)
+from advantage import (adaptive_lambda, concatenated_gae, correction_factor, cross_trajectory_gae,
+                       group_advantage, masked_whiten, rollout_lengths, segment_gae)
 from batch import micro_batches, minibatch_indices, pad, to_rows
 from compaction import SUMMARY_INSTRUCTION
 from loss import finalize_metrics, normalizer_weights, ppo_policy_loss, value_loss
@@ -325,7 +325,7 @@ def advantages(rows, cfg, group_ids):
         r["advantages"], r["returns"] = adv[i, :T].float(), ret[i, :T].float()
     lam_rows = torch.as_tensor(lam, dtype=torch.float64).expand(len(rows))
     tokens, early = mask.sum(1), (n_after > 0).double()
-    factor = torch.pow(cfg.gamma * lam_rows, n_after.double())  # (B,) eq. (14)
+    factor = correction_factor(n_after, cfg.gamma, lam_rows)  # (B,) eq. (14)
     return {"lambda": float((lam_rows * tokens).sum()), "correction": float((factor * tokens * early).sum()),
             "early_tokens": float((tokens * early).sum())}
 
