@@ -185,7 +185,7 @@ class _Live:
 
 @dataclass
 class RolloutConfig:
-    """Limits of the agent loop; train.py's Config documents each with its paper value."""
+    """Limits of the agent loop; config.Config (train.py's knobs) documents each with its paper value."""
     context_budget: int  # C
     reserve: int  # T_comp
     max_compactions: int  # K

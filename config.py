@@ -1,0 +1,168 @@
+"""Every knob of train.py in one dataclass (the CLI is generated from it by tyro), each with its
+paper value where the paper states one, and `finalize`, which checks the derived sizes once."""
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class Config:
+    # --- model and task -------------------------------------------------------------------
+    model: str = ""
+    """Policy checkpoint: Hugging Face id or local path. Empty = build the embedded tiny model."""
+    tiny_hidden: int = 128
+    """Embedded tiny model (when --model is empty): hidden size."""
+    tiny_layers: int = 2
+    """Embedded tiny model: decoder layers."""
+    tiny_heads: int = 4
+    """Embedded tiny model: attention heads (head_dim is 32, what vLLM's CPU backend accepts)."""
+    task: Literal["memory", "swe"] = "memory"
+    """memory: the built-in CPU task (memory_task.py); swe: SWE task rows from `tasks_path`."""
+    tasks_path: str = "tasks/swe/tasks.jsonl"
+    """SWE task rows (swebench-5 schema, JSON/JSONL) for --task swe."""
+    sandbox: Literal["local", "docker"] = "local"
+    """Where SWE commands run: local (bubblewrap) or docker (official SWE-bench images)."""
+    memory_keys: int = 4
+    """Memory task: number of possible keys (chance success = 1/memory_keys)."""
+    memory_noise: int = 6
+    """Memory task: distractor steps between the key and the question."""
+    memory_p_short: float = 0.25
+    """Memory task: fraction of short RL episodes (question before any compaction). They keep the
+    answer-from-context skill rewarded; only the compacted episodes measure summary learning."""
+    memory_max_key_at: int = 2
+    """Memory task: at most this many distractors come before the key in RL episodes."""
+    # --- rollout with compaction (SPEC §1) --------------------------------------------------
+    context_budget: int = 128
+    """C, tokens of one context window. Paper: 65536 (30B) / 81920 (106B)."""
+    reserve: int = 16
+    """T_comp: compact when C − |h| < reserve (eq. 7). Paper: 10240 (= the response cap)."""
+    max_compactions: int = 3
+    """K, compactions per rollout (0 = single window). Paper: 3."""
+    max_turns: int = 20
+    """Actions per rollout. Paper (eval): 250."""
+    max_action_tokens: int = 4
+    """Cap on one action. Paper: 10240."""
+    max_summary_tokens: int = 6
+    """Cap on one summary. Paper: 10240."""
+    max_observation_tokens: int = 1024
+    """Cap on one observation (head and tail kept). Not stated in the paper."""
+    keep_last: int = 2
+    """k, recent atomic steps kept verbatim after compaction (eq. 9). Paper: 2."""
+    repeat_task: bool = True
+    """Repeat the task text in the resume message (the paper does not say; SPEC default)."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer divides logits by it too. Paper: 1.0."""
+    engine: Literal["auto", "hf", "vllm"] = "auto"
+    """Rollout engine; auto = vllm when installed and a GPU is present, else hf."""
+    kv_cache_gib: float = 0.25
+    """vLLM KV-cache budget per rank, GiB: a fixed size, not a fraction of free memory, because the
+    trainer shares the device. Must hold one max_model_len sequence; more = more rollouts at once."""
+    # --- batch ------------------------------------------------------------------------------
+    steps: int = 50
+    """Training steps (each: rollouts, critic updates, one policy update)."""
+    rollouts_per_step: int = 256
+    """Global rollouts per step, split over ranks. Paper: 128 (group size 1)."""
+    group_size: int = 1
+    """Rollouts per task (estimator G needs > 1). Paper: 1."""
+    mini_batches: int = 4
+    """Optimizer steps per PPO epoch; rollouts are split into this many mini-batches."""
+    ppo_epochs: int = 2
+    """Passes over the batch per policy update."""
+    micro_batch_tokens: int = 16384
+    """Padded tokens per forward/backward (packing budget; memory knob, not a math knob)."""
+    # --- algorithm (SPEC §3–§4) --------------------------------------------------------------
+    estimator: Literal["P", "E", "N", "G"] = "P"
+    """P cross-trajectory GAE (paper), E concatenated GAE, N naive per-segment, G group-relative."""
+    gamma: float = 1.0
+    """γ. Not stated in the paper; SPEC default 1."""
+    lam_mode: Literal["rollout", "segment", "fixed"] = "rollout"
+    """λ = 1 − 1/(α·l) with l = rollout trainable length (default) or segment length; or `lam`."""
+    lam: float = 0.95
+    """λ when lam_mode = fixed."""
+    lam_alpha: float = 1.5
+    """α of the adaptive λ. Paper: 1.5."""
+    critic_target: Literal["local", "mc"] = "local"
+    """local: G = A_loc + V (SPEC default); mc: G = R on every token."""
+    normalizer: Literal["token", "segment", "rollout"] = "token"
+    """Loss normalization: token = global trainable-token mean (paper eq. 12)."""
+    whiten_advantages: bool = False
+    """Mask-aware, global advantage whitening. Paper: off."""
+    clip_low: float = 0.2
+    """ε_low. Not stated in the paper; SPEC default 0.2."""
+    clip_high: float = 0.28
+    """ε_high. SPEC default 0.28."""
+    dual_clip: float = 0.0
+    """Dual-clip constant c for Â < 0; 0 = off."""
+    value_clip: float = 0.2
+    """ε_v for the clipped value loss; 0 = off."""
+    kl_coef: float = 0.0
+    """β of a KL(π_θ ‖ π_ref) penalty (k3 estimator per token) to the policy after the warm-up.
+    Paper: 0 (no KL)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus. Paper: 0 (none). (Over a 1024-token vocabulary even 0.01 wrecks the format.)"""
+    actor_lr: float = 1e-3
+    """Actor Adam lr. Paper: 2e-6."""
+    critic_lr: float = 3e-3
+    """Critic Adam lr. Paper: 3e-6."""
+    lr_schedule: Literal["linear", "constant"] = "linear"
+    """Both lrs decay linearly to 0 over `steps` (as CleanRL's PPO does), or stay constant (the paper
+    does not say). Tiny model: at a constant 1e-3 the policy blew up a few steps after reaching
+    0.99 success; at a constant 5e-4 it left chance much later, or not within 30 steps."""
+    grad_clip: float = 1.0
+    """Max global grad norm."""
+    critic_updates: int = 2
+    """Critic updates per step. Paper: 2."""
+    value_pretrain_steps: int = 3
+    """Critic-only steps at the start, on rollouts of the initial policy. Paper: 50."""
+    summaries: Literal["trained", "masked", "frozen"] = "trained"
+    """trained: summary tokens are in the loss (paper); masked: they are not (the paper's
+    'w/o summary training'); frozen: a frozen copy of the initial policy writes them."""
+    mask_truncated: bool = False
+    """SUPO-style overlong masking: no loss on rollouts that ran out of budget. Paper: off."""
+    warmup_steps: int = 150
+    """Supervised warm-up steps before RL (memory task only; 0 = off): the turn format, answering
+    with the key in context, summaries that copy a random line (memory_task.WarmupDemoEngine)."""
+    warmup_p_short: float = 0.5
+    """Fraction of short episodes in the warm-up."""
+    warmup_max_key_at: int = 2
+    """At most this many distractors before the key in warm-up episodes: a varying position makes
+    the answer skill read the key by content, so it also reads a summary."""
+    warmup_lr: float = 3e-3
+    """Adam lr of the warm-up."""
+    # --- run --------------------------------------------------------------------------------
+    seed: int = 0
+    """Seed of weights and tasks; sampling seeds are seed + rank."""
+    out_dir: str = "runs/default"
+    """Metrics (metrics.jsonl, curve.png), trajectory dumps, checkpoints, the HF export."""
+    resume: bool = False
+    """Continue from the latest checkpoint in out_dir/checkpoints."""
+    save_every: int = 20
+    """Checkpoint every N steps (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept."""
+    dump_every: int = 10
+    """Write sample trajectories every N steps."""
+    export_hf: bool = True
+    """save_pretrained the policy at the end (out_dir/hf)."""
+    export_every: int = 0
+    """Also export every N steps, to out_dir/hf_step_N (0 = never)."""
+    mixed_precision: bool = True
+    """bf16 params with fp32 reduction on GPU (ignored on CPU)."""
+    activation_checkpointing: bool = False
+    """Recompute decoder-layer activations in backward."""
+    tensorboard: bool = False
+    """Also log to TensorBoard (if installed)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (if installed)."""
+
+
+def finalize(cfg, world):
+    """Derived sizes, checked once. Returns rollouts per rank."""
+    assert cfg.rollouts_per_step % world == 0, \
+        f"rollouts_per_step ({cfg.rollouts_per_step}) must be divisible by the world size ({world})"
+    per_rank = cfg.rollouts_per_step // world
+    assert per_rank % cfg.group_size == 0, \
+        f"rollouts per rank ({per_rank}) must be a multiple of group_size ({cfg.group_size}): groups stay on one rank"
+    assert cfg.estimator != "G" or cfg.group_size > 1, "estimator G needs group_size > 1"
+    assert cfg.reserve >= cfg.max_action_tokens, "reserve must be >= max_action_tokens (eq. 7: a response always fits)"
+    assert cfg.warmup_steps == 0 or cfg.task == "memory", "the warm-up exists for the memory task only"
+    return per_rank
