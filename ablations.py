@@ -109,6 +109,8 @@ def run(out_dir, cmd):
     resume = os.path.isdir(os.path.join(out_dir, "checkpoints"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     with open(os.path.join(out_dir, "log.txt"), "a") as log:
+        log.write(" ".join(cmd) + "\n")
+        log.flush()
         rc = subprocess.run(cmd + (["--resume"] if resume else []), stdout=log, stderr=subprocess.STDOUT,
                             env=env, cwd=HERE).returncode
     if rc != 0:
@@ -212,6 +214,8 @@ def main(cfg):
     names = list(cfg.variants or (QUICK if cfg.quick else VARIANTS))
     unknown = [n for n in names if n not in VARIANTS]
     assert not unknown, f"unknown variants {unknown}; known: {list(VARIANTS)}"
+    if any(n.startswith("long/") for n in names):  # the long panel continues RL from base's policy
+        names = ["base"] + [n for n in names if n != "base"]
     seeds = range(2 if cfg.quick else cfg.seeds)
     root = os.path.abspath(cfg.out_dir)
     warm = {s: os.path.join(root, f"warmup_s{s}") for s in seeds}
@@ -221,14 +225,16 @@ def main(cfg):
 
     def rl(job):
         name, s = job
-        flags = ["--model", os.path.join(warm[s], "hf"), "--warmup-steps", "0", "--steps", str(cfg.steps)]
+        start = os.path.join(run_dir(root, "base", s) if name.startswith("long/") else warm[s], "hf")
+        flags = ["--model", start, "--warmup-steps", "0", "--steps", str(cfg.steps)]
         flags += VARIANTS[name][1] + ([] if name == "base" else ["--no-export-hf"])  # base: for test-time K
         run(run_dir(root, name, s), train_cmd(run_dir(root, name, s), s, flags, cfg))
 
     if not cfg.report_only:
         with ThreadPoolExecutor(cfg.jobs) as pool:  # threads only wait on train.py processes
             list(pool.map(warm_up, seeds))
-            list(pool.map(rl, [(n, s) for n in names for s in seeds]))
+            list(pool.map(rl, [(n, s) for n in names if not n.startswith("long/") for s in seeds]))
+            list(pool.map(rl, [(n, s) for s in seeds for n in names if n.startswith("long/")]))
     finished = {n: [s for s in seeds if os.path.exists(os.path.join(run_dir(root, n, s), "done"))] for n in names}
     names = [n for n in names if finished[n]]
     curves = {n: [curve(run_dir(root, n, s)) for s in finished[n]] for n in names}
