@@ -8,7 +8,9 @@
 Every run is `python train.py <flags>` in its own process (one thread), so each variant uses the
 trainer's own functions, loss and estimators — there is no separate toy trainer. Per seed, one
 supervised warm-up (train.py --steps 0) is shared by every variant: all variants of a seed start
-RL from the same policy. Interrupted? Run the same command again: finished runs are kept, the
+RL from the same policy — except the long-task ones, which continue RL from the seed's `base`
+policy (from the warm-up, neither P nor N left chance on the long task in 40 updates, 2 seeds: a
+summary must carry the key through 2–3 windows before any reward arrives). Interrupted? Run the same command again: finished runs are kept, the
 others resume from their latest checkpoint.
 
 The questions (one figure panel each), against the paper's ablations on the 106B model
