@@ -10,8 +10,8 @@ trainer's own functions, loss and estimators — there is no separate toy traine
 supervised warm-up (train.py --steps 0) is shared by every variant: all variants of a seed start
 RL from the same policy — except the long-task ones, which continue RL from the seed's `base`
 policy (from the warm-up, neither P nor N left chance on the long task in 40 updates, 2 seeds: a
-summary must carry the key through 2–3 windows before any reward arrives). Interrupted? Run the same command again: finished runs are kept, the
-others resume from their latest checkpoint.
+summary must carry the key through 2–3 windows before any reward arrives). Interrupted? Run the
+same command again: finished runs are kept, the others resume from their latest checkpoint.
 
 The questions (one figure panel each), against the paper's ablations on the 106B model
 (full 66.8; w/o token-level loss 60.0; w/o cross-trajectory GAE 63.0; w/o summary training 64.5):
@@ -110,11 +110,11 @@ def run(out_dir, cmd):
     os.makedirs(out_dir, exist_ok=True)
     resume = os.path.isdir(os.path.join(out_dir, "checkpoints"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    cmd = cmd + (["--resume"] if resume else [])
     with open(os.path.join(out_dir, "log.txt"), "a") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()
-        rc = subprocess.run(cmd + (["--resume"] if resume else []), stdout=log, stderr=subprocess.STDOUT,
-                            env=env, cwd=HERE).returncode
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=HERE).returncode
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {rc}); see {out_dir}/log.txt")
     open(done, "w").close()
