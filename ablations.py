@@ -4,6 +4,7 @@
     python ablations.py                  # the full grid: 5 panels, 5 seeds (≈ 15 h on 2 cores)
     python ablations.py --jobs 4         # more runs at once on a bigger machine
     python ablations.py --report-only    # table and figure of the runs finished so far
+    python ablations.py --seeds 2 --first-seed 2   # add seeds 2 and 3 to a grid (or split it over machines)
 
 Every run is `python train.py <flags>` in its own process (one thread), so each variant uses the
 trainer's own functions, loss and estimators — there is no separate toy trainer. Per seed, one
@@ -72,6 +73,8 @@ class Config:
     """The quick subset: variants in QUICK, 2 seeds."""
     seeds: int = 5
     """Seeds per variant (the quick subset uses 2)."""
+    first_seed: int = 0
+    """Seeds are first_seed … first_seed + seeds − 1: to add seeds to a grid, or split it over machines."""
     variants: tuple[str, ...] = ()
     """Run only these VARIANTS (names as in the table); empty = all, or QUICK with --quick."""
     steps: int = 40
@@ -218,7 +221,7 @@ def main(cfg):
     assert not unknown, f"unknown variants {unknown}; known: {list(VARIANTS)}"
     if any(n.startswith("long/") for n in names):  # the long panel continues RL from base's policy
         names = ["base"] + [n for n in names if n != "base"]
-    seeds = range(2 if cfg.quick else cfg.seeds)
+    seeds = range(cfg.first_seed, cfg.first_seed + (2 if cfg.quick else cfg.seeds))
     root = os.path.abspath(cfg.out_dir)
     warm = {s: os.path.join(root, f"warmup_s{s}") for s in seeds}
 
