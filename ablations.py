@@ -5,6 +5,7 @@
     python ablations.py --jobs 4         # more runs at once on a bigger machine
     python ablations.py --report-only    # table and figure of the runs finished so far
     python ablations.py --seeds 2 --first-seed 2   # add seeds 2 and 3 to a grid (or split it over machines)
+    python ablations.py --report-only --merge other/curves.json   # report two such grids as one
 
 Every run is `python train.py <flags>` in its own process (one thread), so each variant uses the
 trainer's own functions, loss and estimators — there is no separate toy trainer. Per seed, one
@@ -93,6 +94,9 @@ class Config:
     """More train.py flags for every run, e.g. "--tiny-hidden 64" (space-separated)."""
     report_only: bool = False
     """Train nothing: tabulate and plot the runs that have finished so far (a partial grid)."""
+    merge: tuple[str, ...] = ()
+    """curves.json files of grids run elsewhere (other seeds, e.g. with --first-seed on another
+    machine or session) to report together with this one; a (variant, seed) in two grids is an error."""
 
 
 def train_cmd(out_dir, seed, flags, cfg):
@@ -215,6 +219,42 @@ def figure(curves, evals, names, path):
     fig.savefig(path, dpi=110)
 
 
+def results(root, names, seeds, eval_rollouts):
+    """What curves.json holds: {"curves": {variant: [success per update, per seed]}, "seeds":
+    {variant: [seed]}, "test_time_k": {"<task>/K=<k>": [success per seed of base]}, "variants":
+    {variant: train.py flags}}, over the runs of `names` × `seeds` that have finished."""
+    finished = {n: [s for s in seeds if os.path.exists(os.path.join(run_dir(root, n, s), "done"))] for n in names}
+    names = [n for n in names if finished[n]]
+    evals = {}
+    if "base" in names:  # per seed, then regrouped as {"<task>/K=<k>": [success per seed]}
+        per_seed = [evaluate(os.path.join(run_dir(root, "base", s), "hf"), s, eval_rollouts) for s in finished["base"]]
+        evals = {key: [e[key] for e in per_seed] for key in per_seed[0]}
+    return {"curves": {n: [curve(run_dir(root, n, s)) for s in finished[n]] for n in names},
+            "seeds": {n: finished[n] for n in names}, "test_time_k": evals,
+            "variants": {n: VARIANTS[n][1] for n in names}}
+
+
+def merge(a, b, where):
+    """Results `a` and `b` (as results() returns) of disjoint seeds, as one. Test-time K rows
+    follow base's seeds, so base must come with its evaluation in both or in neither."""
+    if "seeds" not in b:
+        raise ValueError(f"{where} has no seed ids (written before ablations.py recorded them); add "
+                         '"seeds": {variant: [seed, ...]} to it, in the order of its curves')
+    out = {k: {n: list(v) for n, v in a[k].items()} for k in ("curves", "seeds", "test_time_k")}
+    out["variants"] = {**b["variants"], **a["variants"]}
+    for n, curves in b["curves"].items():
+        twice = set(out["seeds"].get(n, [])) & set(b["seeds"][n])
+        if twice:
+            raise ValueError(f"{where}: {n} seeds {sorted(twice)} are already in the grid being reported")
+        out["curves"].setdefault(n, []).extend(curves)
+        out["seeds"].setdefault(n, []).extend(b["seeds"][n])
+    if bool(a["test_time_k"]) != bool(b["test_time_k"]) and "base" in a["curves"] and "base" in b["curves"]:
+        raise ValueError(f"{where}: test-time K was evaluated for base in one grid and not the other")
+    for key, xs in b["test_time_k"].items():
+        out["test_time_k"].setdefault(key, []).extend(xs)
+    return out
+
+
 def main(cfg):
     names = list(cfg.variants or (QUICK if cfg.quick else VARIANTS))
     unknown = [n for n in names if n not in VARIANTS]
@@ -240,16 +280,13 @@ def main(cfg):
             list(pool.map(warm_up, seeds))
             list(pool.map(rl, [(n, s) for n in names if not n.startswith("long/") for s in seeds]))
             list(pool.map(rl, [(n, s) for s in seeds for n in names if n.startswith("long/")]))
-    finished = {n: [s for s in seeds if os.path.exists(os.path.join(run_dir(root, n, s), "done"))] for n in names}
-    names = [n for n in names if finished[n]]
-    curves = {n: [curve(run_dir(root, n, s)) for s in finished[n]] for n in names}
-    evals = {}
-    if "base" in names:  # per seed, then regrouped as {"<task>/K=<k>": [success per seed]}
-        per_seed = [evaluate(os.path.join(run_dir(root, "base", s), "hf"), s, cfg.eval_rollouts)
-                    for s in finished["base"]]
-        evals = {key: [e[key] for e in per_seed] for key in per_seed[0]}
+    res = results(root, names, seeds, cfg.eval_rollouts)
+    for path in cfg.merge:
+        res = merge(res, json.load(open(path)), path)
+    names = [n for n in VARIANTS if n in res["curves"]]  # table and legend in VARIANTS order
+    curves, evals = {n: res["curves"][n] for n in names}, res["test_time_k"]
     with open(os.path.join(root, "curves.json"), "w") as f:
-        json.dump({"curves": curves, "test_time_k": evals, "variants": {n: VARIANTS[n][1] for n in names}}, f)
+        json.dump(res, f)
     md = table(curves, evals)
     with open(os.path.join(root, "table.md"), "w") as f:
         f.write(md)

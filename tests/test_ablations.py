@@ -6,6 +6,8 @@ Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_ablations.py
 import json
 import os
 
+import pytest
+
 import ablations
 
 
@@ -15,6 +17,23 @@ def test_updates_to_uses_a_trailing_mean():
     assert ablations.updates_to([0.4] * 10, 0.5) is None
 
 
+def test_merge_joins_grids_of_disjoint_seeds_and_refuses_a_seed_twice():
+    def grid(seeds, k_success):
+        return {"curves": {"base": [[0.1 * s] for s in seeds]}, "seeds": {"base": list(seeds)},
+                "test_time_k": {"short/K=1": k_success}, "variants": {"base": []}}
+    a, b = grid([0, 1], [0.9, 0.8]), grid([2], [0.7])
+    m = ablations.merge(a, b, "b.json")
+    assert m["seeds"] == {"base": [0, 1, 2]} and m["curves"]["base"] == [[0.0], [0.1], [0.2]]
+    assert m["test_time_k"] == {"short/K=1": [0.9, 0.8, 0.7]}  # follows base's seeds
+    assert a["seeds"] == {"base": [0, 1]}  # inputs untouched
+    with pytest.raises(ValueError, match=r"base seeds \[1\]"):
+        ablations.merge(a, grid([1], [0.5]), "again.json")
+    with pytest.raises(ValueError, match="no seed ids"):
+        ablations.merge(a, {k: v for k, v in b.items() if k != "seeds"}, "old.json")
+    with pytest.raises(ValueError, match="test-time K"):
+        ablations.merge(a, {**b, "test_time_k": {}}, "no_eval.json")
+
+
 def test_smallest_grid_writes_curves_table_and_figure(tmp_path):
     cfg = ablations.Config(out_dir=str(tmp_path), variants=("base", "summaries=frozen"), seeds=1, steps=2,
                            rollouts_per_step=4, warmup_steps=2, eval_rollouts=4,
@@ -22,6 +41,7 @@ def test_smallest_grid_writes_curves_table_and_figure(tmp_path):
     ablations.main(cfg)
     data = json.load(open(tmp_path / "curves.json"))
     assert set(data["curves"]) == {"base", "summaries=frozen"}
+    assert data["seeds"] == {"base": [0], "summaries=frozen": [0]}
     assert all(len(c) == 2 and all(0 <= x <= 1 for x in c) for cs in data["curves"].values() for c in cs)
     assert set(data["test_time_k"]) == {f"{t}/K={k}" for t in ablations.EVAL_TASKS for k in ablations.EVAL_K}
     table = (tmp_path / "table.md").read_text()
