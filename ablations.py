@@ -77,7 +77,8 @@ class Config:
     first_seed: int = 0
     """Seeds are first_seed … first_seed + seeds − 1: to add seeds to a grid, or split it over machines."""
     variants: tuple[str, ...] = ()
-    """Run only these VARIANTS (names as in the table); empty = all, or QUICK with --quick."""
+    """Run (and report, also from --merge files) only these VARIANTS (names as in the table); empty =
+    all, or QUICK with --quick."""
     steps: int = 40
     """RL updates per run (the lr decays to 0 over them; the default run passed 0.9 at update 22)."""
     rollouts_per_step: int = 256
@@ -234,6 +235,14 @@ def results(root, names, seeds, eval_rollouts):
             "variants": {n: VARIANTS[n][1] for n in names}}
 
 
+def select(res, names):
+    """Results `res` (as results() returns) restricted to the variants in `names`; test-time K rows
+    belong to base and go with it."""
+    keep = [n for n in res["curves"] if n in names]
+    out = {k: {n: res[k][n] for n in keep} for k in ("curves", "seeds", "variants") if k in res}
+    return {**out, "test_time_k": res["test_time_k"] if "base" in keep else {}}
+
+
 def merge(a, b, where):
     """Results `a` and `b` (as results() returns) of disjoint seeds, as one. Test-time K rows
     follow base's seeds, so base must come with its evaluation in both or in neither."""
@@ -282,7 +291,8 @@ def main(cfg):
             list(pool.map(rl, [(n, s) for s in seeds for n in names if n.startswith("long/")]))
     res = results(root, names, seeds, cfg.eval_rollouts)
     for path in cfg.merge:
-        res = merge(res, json.load(open(path)), path)
+        other = json.load(open(path))
+        res = merge(res, select(other, names) if cfg.variants else other, path)
     names = [n for n in VARIANTS if n in res["curves"]]  # table and legend in VARIANTS order
     curves, evals = {n: res["curves"][n] for n in names}, res["test_time_k"]
     with open(os.path.join(root, "curves.json"), "w") as f:

@@ -34,6 +34,16 @@ def test_merge_joins_grids_of_disjoint_seeds_and_refuses_a_seed_twice():
         ablations.merge(a, {**b, "test_time_k": {}}, "no_eval.json")
 
 
+def test_select_keeps_the_named_variants_and_base_s_test_time_k_only_with_base():
+    res = {"curves": {"base": [[0.9]], "long/estimator=P": [[0.2]]}, "seeds": {"base": [0], "long/estimator=P": [0]},
+           "test_time_k": {"short/K=1": [0.9]}, "variants": {"base": [], "long/estimator=P": ["--lam", "0.95"]}}
+    assert ablations.select(res, ["base"]) == {"curves": {"base": [[0.9]]}, "seeds": {"base": [0]},
+                                               "test_time_k": {"short/K=1": [0.9]}, "variants": {"base": []}}
+    only_long = ablations.select(res, ["long/estimator=P", "estimator=N"])
+    assert list(only_long["curves"]) == ["long/estimator=P"] and only_long["test_time_k"] == {}
+    assert "seeds" not in ablations.select({k: v for k, v in res.items() if k != "seeds"}, ["base"])  # merge names it
+
+
 def test_smallest_grid_writes_curves_table_and_figure(tmp_path):
     cfg = ablations.Config(out_dir=str(tmp_path), variants=("base", "summaries=frozen"), seeds=1, steps=2,
                            rollouts_per_step=4, warmup_steps=2, eval_rollouts=4,
