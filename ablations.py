@@ -146,20 +146,25 @@ def evaluate(model_path, seed, n):
     """{"<task>/K=<k>": success} of the policy at `model_path` on n fresh memory tasks of each of
     EVAL_TASKS (no short ones), with at most k compactions for each k in EVAL_K."""
     import torch
-    import train
     from model import ChatCodec, load_tokenizer
-    from rollout import make_engine, run_episodes
+    from rollout import make_engine
     torch.set_num_threads(1)
     tok = load_tokenizer(model_path)
-    engine = make_engine("hf", model_path, tok.pad_token_id, torch.device("cpu"), seed=seed)
-    out = {}
-    for task, n_noise in EVAL_TASKS.items():
-        for k in EVAL_K:
-            cfg = train.Config(max_compactions=k, memory_p_short=0.0, memory_noise=n_noise, seed=seed)
-            envs, ids = train.make_envs(cfg, step=10**6, rank=0, per_rank=n)  # steps training never reaches
-            eps = run_episodes(engine, ChatCodec(tok), envs, train.rollout_config(cfg), list(range(n)), ids)
-            out[f"{task}/K={k}"] = sum(e.reward for e in eps) / n
-    return out
+    engine, codec = make_engine("hf", model_path, tok.pad_token_id, torch.device("cpu")), ChatCodec(tok)
+    return {f"{task}/K={k}": sum(e.reward for e in eval_episodes(engine, codec, seed, n_noise, k, n)) / n
+            for task, n_noise in EVAL_TASKS.items() for k in EVAL_K}
+
+
+def eval_episodes(engine, codec, seed, n_noise, k, n):
+    """n rollouts on fresh memory tasks with n_noise distractors and at most k compactions; the same
+    episodes on every call (HFEngine samples from torch's global RNG, seeded here per (seed, task, k))."""
+    import torch
+    import train
+    from rollout import run_episodes
+    cfg = train.Config(max_compactions=k, memory_p_short=0.0, memory_noise=n_noise, seed=seed)
+    envs, ids = train.make_envs(cfg, step=10**6, rank=0, per_rank=n)  # steps training never reaches
+    torch.manual_seed((seed * 1_000_003 + n_noise) * 1009 + k)
+    return run_episodes(engine, codec, envs, train.rollout_config(cfg), list(range(n)), ids)
 
 
 def mean_sd(xs):

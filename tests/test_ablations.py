@@ -7,8 +7,11 @@ import json
 import os
 
 import pytest
+import torch
 
 import ablations
+from model import ChatCodec, load_tokenizer
+from rollout import make_engine
 
 
 def test_updates_to_uses_a_trailing_mean():
@@ -62,6 +65,13 @@ def test_smallest_grid_writes_curves_table_and_figure(tmp_path):
     mtime = os.path.getmtime(tmp_path / "base" / "s0" / "metrics.jsonl")
     ablations.main(cfg)
     assert os.path.getmtime(tmp_path / "base" / "s0" / "metrics.jsonl") == mtime
+    # the test-time K evaluation samples the same episodes on every call
+    model = str(tmp_path / "base" / "s0" / "hf")
+    tok = load_tokenizer(model)
+    engine, codec = make_engine("hf", model, tok.pad_token_id, torch.device("cpu")), ChatCodec(tok)
+    tokens = [[s.response_ids for e in ablations.eval_episodes(engine, codec, 0, 4, 1, 2) for s in e.segments]
+              for _ in range(2)]
+    assert tokens[0] == tokens[1] and any(tokens[0])
     # --report-only trains nothing and leaves out what has not run
     cfg.variants, cfg.report_only = ("base", "summaries=masked"), True
     ablations.main(cfg)
