@@ -1,7 +1,7 @@
 """The paper's ablations at CPU scale, on the built-in memory task, with train.py itself.
 
     python ablations.py --quick          # trained vs frozen summaries and test-time K, 2 seeds
-    python ablations.py                  # the full grid: 5 panels, 5 seeds (≈ 15 h on 2 cores)
+    python ablations.py                  # the full grid: 5 panels, 5 seeds (8–15 h on 2 cores, by machine)
     python ablations.py --jobs 4         # more runs at once on a bigger machine
     python ablations.py --report-only    # table and figure of the runs finished so far
     python ablations.py --seeds 2 --first-seed 2   # add seeds 2 and 3 to a grid (or split it over machines)
