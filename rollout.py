@@ -106,7 +106,8 @@ def make_engine(kind, model_path, pad_token_id, device, seed=0, max_model_len=No
                 dtype=None):
     """The rollout engine for `model_path`: kind is "hf", "vllm" or "auto" (vLLM when it is
     installed and a GPU is present). vllm_engine is imported only when vLLM is asked for; options
-    left at None keep VLLMEngine's defaults."""
+    left at None keep VLLMEngine's defaults. `seed` is vLLM's sampling seed: HFEngine samples from
+    torch's global RNG, so a reproducible HF rollout is seeded with torch.manual_seed by its caller."""
     if kind == "auto":
         import importlib.util
         kind = "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") else "hf"
