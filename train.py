@@ -424,8 +424,7 @@ def main(cfg):
     for e in (engine, frozen):
         if e is not None:
             e.close()  # an in-process vLLM engine also destroys the default process group
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    fsdp.close_distributed()
 
 
 def seeded_rng(seed):

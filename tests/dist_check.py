@@ -85,7 +85,7 @@ def main(out_path, model_dir):
     if rank == 0:
         torch.save({"grads": rec.grads, "actor": actor_sd, "critic": critic_sd,
                     "nan_step_skipped": skipped, "nan_step_unchanged": unchanged}, out_path)
-    torch.distributed.destroy_process_group()
+    fsdp.close_distributed()
 
 
 if __name__ == "__main__":
