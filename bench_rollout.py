@@ -38,7 +38,7 @@ class Config:
     model: str = ""
     """Policy checkpoint; empty = build the embedded tiny model in a temporary directory."""
     episodes: int = 128
-    """Episodes per timed batch (train.py's default is 128 per rank on 2 ranks)."""
+    """Episodes per timed batch (train.py's default is 128 per step, 64 per rank on 2 ranks)."""
     engines: str = "hf,vllm"
     """Comma-separated engines to measure; vllm is skipped with a message when not installed."""
     repeats: int = 3

@@ -31,8 +31,9 @@ class Config:
     memory_max_key_at: int = 2
     """Memory task: at most this many distractors come before the key in RL episodes."""
     # --- rollout with compaction (SPEC §1) --------------------------------------------------
-    context_budget: int = 128
-    """C, tokens of one context window. Paper: 65536 (30B) / 81920 (106B)."""
+    context_budget: int = 72
+    """C, tokens of one context window. Paper: 65536 (30B) / 81920 (106B). The memory task's 6
+    distractors then need one compaction, after the 7th step."""
     reserve: int = 16
     """T_comp: compact when C − |h| < reserve (eq. 7). Paper: 10240 (= the response cap)."""
     max_compactions: int = 3

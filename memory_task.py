@@ -33,12 +33,14 @@ import re
 
 from env import Step
 
-SYSTEM = "Remember the key; answer it when asked."
+SYSTEM = "Remember the key."
 TASK = "Task: memory."
 QUESTION = "answer?"
-# The task's own, short summary instruction: the general one (compaction.SUMMARY_INSTRUCTION,
-# ~150 tokens for the tiny tokenizer) would double the CPU cost of every compacting window.
-SUMMARY_INSTRUCTION = "Context full. Write what you must remember."
+# The task's own, short summary instruction and resume message: the general ones
+# (compaction.SUMMARY_INSTRUCTION, ~150 tokens for the tiny tokenizer, and RESUME_WITH_TASK, 30)
+# would multiply the CPU cost of every window around a compaction.
+SUMMARY_INSTRUCTION = "Context full. Summarize."
+RESUME = "{task} Summary:\n{summary}"
 
 
 def symbols(n):
@@ -98,7 +100,7 @@ class MemoryEnv:
 def corpus(n_symbols=26):
     """Lines for the embedded tokenizer, so task fragments are few tokens."""
     alphabet = symbols(n_symbols)
-    lines = [SYSTEM, TASK, QUESTION, SUMMARY_INSTRUCTION] * 50
+    lines = [SYSTEM, TASK, QUESTION, SUMMARY_INSTRUCTION, RESUME] * 50
     # frequent enough that " A" … " Z" become single tokens: the key is then one token after "key"
     lines += [f"key {s}" for s in alphabet] * 40 + [f"noise {s}" for s in alphabet] * 40
     return lines
@@ -119,20 +121,26 @@ class WarmupDemoEngine:
     """
 
     def __init__(self, tokenizer, n_keys, seed):
+        from model import ChatCodec
+        codec = ChatCodec(tokenizer)
         self.tok = tokenizer
         self.keys = symbols(n_keys)
         self.rng = random.Random(seed)
+        # a prompt ending in one of these asks for the answer / for a summary (template-agnostic)
+        self.asks_answer, self.asks_summary = (codec.message({"role": "user", "content": q}) + codec.gen_prompt
+                                               for q in (QUESTION, SUMMARY_INSTRUCTION))
 
-    def _reply(self, context):
-        tail = context[-80:]
-        if tail.rstrip().endswith(f"{QUESTION}<|im_end|>\n<|im_start|>assistant"):
+    def _reply(self, ids):
+        context = self.tok.decode(ids)
+        if ids[-len(self.asks_answer):] == self.asks_answer:
             keys = re.findall(r"key ([A-Z])", context)
             if keys:
                 return keys[-1]
-            kept = re.findall(r"so far:\n(?:noise|key) ([A-Z])", context)  # the summary's symbol
+            kept = re.findall(r"Summary:\n(?:noise|key) ([A-Z])", context)  # the summary's symbol
             return kept[-1] if kept else self.rng.choice(self.keys)
-        if SUMMARY_INSTRUCTION in tail:
-            lines = re.findall(r"\n((?:noise|key) [A-Z])(?:<|\n)", context)
+        if ids[-len(self.asks_summary):] == self.asks_summary:
+            # observation lines (and the previous summary's line): a whole message or line
+            lines = re.findall(r"(?:^|[>\n])((?:noise|key) [A-Z])(?=[<\n])", context)
             return self.rng.choice(lines) if lines else f"noise {self.rng.choice(self.keys)}"
         return "ok"
 
@@ -140,7 +148,6 @@ class WarmupDemoEngine:
         from rollout import Generation
         out = []
         for p, n in zip(prompts, max_new_tokens):
-            ids = (self.tok.encode(self._reply(self.tok.decode(p)), add_special_tokens=False)
-                   + [stop_token_ids[0]])[:n]
+            ids = (self.tok.encode(self._reply(list(p)), add_special_tokens=False) + [stop_token_ids[0]])[:n]
             out.append(Generation(ids, [0.0] * len(ids), "stop" if ids[-1] in stop_token_ids else "length"))
         return out

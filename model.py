@@ -20,18 +20,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # pad, turn start, turn end (eos)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
 
-# ChatML with system, user, assistant and tool roles. {% generation %} marks the assistant tokens
-# so `return_assistant_tokens_mask=True` works for readers who want it.
+# Phi-3-style roles, one special token each, and no newlines: a turn costs its content plus two
+# tokens (role, <|end|>), where ChatML's "<|im_start|>user\n ... <|im_end|>\n" costs five. For
+# the tiny model's short turns that halves every context window, and with it the CPU cost of a
+# training step. {% generation %} marks the assistant tokens for `return_assistant_tokens_mask`.
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\n' -}}"
+    "{{- '<|' + message['role'] + '|>' -}}"
     "{%- if message['role'] == 'assistant' -%}"
-    "{% generation %}{{- message['content'] + '<|im_end|>' -}}{% endgeneration %}{{- '\n' -}}"
-    "{%- else -%}{{- message['content'] + '<|im_end|>\n' -}}{%- endif -%}"
+    "{% generation %}{{- message['content'] + '<|end|>' -}}{% endgeneration %}"
+    "{%- else -%}{{- message['content'] + '<|end|>' -}}{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>' -}}{%- endif -%}"
 )
 
 
@@ -43,8 +45,7 @@ def _tokenizer_corpus():
     shell = ["```bash\nls -la\n```", "```bash\ncat src/utils.py\n```", "```bash\npython -m pytest -q\n```",
              "def add(a, b):\n    return a + b\n", "Traceback (most recent call last):\n  File",
              "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT", "returncode: 0\noutput:\n", "git diff\n"]
-    roles = [f"<|im_start|>{r}\n" for r in ("system", "user", "assistant", "tool")]
-    return [SUMMARY_INSTRUCTION, RESUME_WITH_TASK] * 20 + shell * 5 + roles * 50 + memory_corpus()
+    return [SUMMARY_INSTRUCTION, RESUME_WITH_TASK] * 20 + shell * 5 + memory_corpus()
 
 
 def build_tiny_model(out_dir, vocab_size=1024, hidden_size=64, num_layers=2, num_heads=2,
@@ -52,8 +53,8 @@ def build_tiny_model(out_dir, vocab_size=1024, hidden_size=64, num_layers=2, num
     """Write a tiny Qwen3-style causal LM and its tokenizer to `out_dir`, with no network.
 
     Byte-level BPE (any UTF-8 text round-trips) trained locally with `tokenizers`; special tokens
-    for pad/eos and chat turns; a ChatML template. head_dim 32 because vLLM's CPU attention
-    accepts head_dim in {32, 64, 80, ...}. `init_std` replaces HF's 0.02 default: a tiny random
+    for pad/eos and each chat role; a compact Phi-3-style template (CHAT_TEMPLATE). head_dim 32
+    because vLLM's CPU attention accepts head_dim in {32, 64, 80, ...}. `init_std` replaces HF's 0.02 default: a tiny random
     model with std 0.02 has near-uniform outputs and RL from it stalls (notes/toy-memory-task).
     Returns out_dir; load it with `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer`.
     """
@@ -69,10 +70,10 @@ def build_tiny_model(out_dir, vocab_size=1024, hidden_size=64, num_layers=2, num
                                   show_progress=False)
     tok.train_from_iterator(_tokenizer_corpus(), trainer)
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>",
-                                     eos_token="<|im_end|>", padding_side="left",
+                                     eos_token="<|end|>", padding_side="left",
                                      model_max_length=max_positions)
     hf_tok.chat_template = CHAT_TEMPLATE
-    pad_id, eos_id = hf_tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    pad_id, eos_id = hf_tok.convert_tokens_to_ids(["<|endoftext|>", "<|end|>"])
     cfg = Qwen3Config(vocab_size=len(hf_tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
                       num_hidden_layers=num_layers, num_attention_heads=num_heads,
                       num_key_value_heads=num_heads, head_dim=head_dim,
@@ -188,7 +189,7 @@ def export_pretrained(lm, tokenizer, out_dir, state_dict=None):
 
 class ChatCodec:
     """Token-in/token-out chat rendering for templates that render messages independently
-    (the ChatML family: ours, Qwen, ...). Checked at construction; other templates get an error.
+    (ChatML and its kin: ours, Qwen, Phi-3, ...). Checked at construction; other templates get an error.
 
     ids = prompt(messages) then, per turn: gen_prompt, sampled ids, close(sampled ids, stopped),
     message(observation), ... Every piece is tokenized once, and the context is their concatenation.

@@ -201,6 +201,7 @@ class RolloutConfig:
     max_seconds: float = 0.0  # wall time per episode, 0 = no limit
     env_workers: int = 8  # threads stepping environments (sandbox commands) in parallel
     summary_instruction: str = SUMMARY_INSTRUCTION  # q_sum
+    resume_template: str = ""  # u_resume with {task} and {summary}; "" = compaction's default
 
 
 def run_episodes(engine, codec, envs, cfg, rollout_ids, task_ids, group_ids=None, summary_engine=None):
@@ -273,7 +274,8 @@ def _compact(engine, codec, states, cfg, trainable=True):
         s.ep.summaries.append(summary)
         s.ep.compactions += 1
         head = codec.prompt([{"role": "system", "content": s.system},
-                             {"role": "user", "content": resume_text(s.task, summary, cfg.repeat_task)}])
+                             {"role": "user", "content": resume_text(s.task, summary, cfg.repeat_task,
+                                                                             cfg.resume_template)}])
         step_ids = [codec.gen_prompt + a + eo for a, eo in s.steps]
         k = select_tail(len(head), [len(x) for x in step_ids], cfg.context_budget, cfg.reserve,
                         cfg.keep_last)

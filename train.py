@@ -98,9 +98,12 @@ def make_envs(cfg, step, rank, per_rank, warmup=False):
 
 
 def rollout_config(cfg):
-    """The agent loop's limits. The memory task brings its own short summary instruction."""
-    q_sum = memory_task.SUMMARY_INSTRUCTION if cfg.task == "memory" else SUMMARY_INSTRUCTION
-    return RolloutConfig(summary_instruction=q_sum, context_budget=cfg.context_budget, reserve=cfg.reserve,
+    """The agent loop's limits. The memory task brings its own short summary instruction and resume
+    message."""
+    memory = cfg.task == "memory"
+    return RolloutConfig(summary_instruction=memory_task.SUMMARY_INSTRUCTION if memory else SUMMARY_INSTRUCTION,
+                         resume_template=memory_task.RESUME if memory else "",
+                         context_budget=cfg.context_budget, reserve=cfg.reserve,
                          max_compactions=cfg.max_compactions,
                          max_turns=cfg.max_turns, max_action_tokens=cfg.max_action_tokens,
                          max_summary_tokens=cfg.max_summary_tokens, keep_last=cfg.keep_last,

@@ -39,6 +39,7 @@ def test_resume_text_repeats_task_only_when_asked():
     assert "FIX BUG 7" in resume_text("FIX BUG 7", " the summary ")
     assert "FIX BUG 7" not in resume_text("FIX BUG 7", "the summary", repeat_task=False)
     assert "the summary\n" in resume_text("t", " the summary ")
+    assert resume_text("T", " S ", template="{task}|{summary}") == "T|S"  # a task's own message
 
 
 def test_tail_shrinks_until_it_fits():

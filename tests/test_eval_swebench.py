@@ -61,7 +61,7 @@ class ScriptedAgent:
             text = self.tok.decode(prompt)
             row = next(r for r in self.rows if r["problem_statement"].strip() in text)
             self.seen.append(row["instance_id"])
-            turn = text.count("<|im_start|>assistant") - 1   # the prompt ends with a generation prompt
+            turn = text.count("<|assistant|>") - 1   # the prompt ends with a generation prompt
             reply = f"Next step.\n```bash\n{self.script(row, turn)}\n```"
             ids = (self.tok.encode(reply, add_special_tokens=False) + [stop_token_ids[0]])[:n]
             out.append(Generation(ids, [-0.5] * len(ids), "stop"))

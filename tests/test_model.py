@@ -32,9 +32,9 @@ def test_round_trip_save_load(tiny, tmp_path):
 
 def test_tokenizer_special_tokens_and_round_trip(tiny):
     _, tok, _ = tiny
-    for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+    for t in ("<|endoftext|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"):
         assert len(tok.encode(t, add_special_tokens=False)) == 1
-    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    assert tok.eos_token == "<|end|>" and tok.pad_token == "<|endoftext|>"
     text = "naïve café ✓ 🙂\n```bash\nls\n```\tkey Q"
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
 
@@ -44,9 +44,8 @@ def test_chat_template_renders_all_roles(tiny):
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
             {"role": "assistant", "content": "A"}, {"role": "tool", "content": "T"}]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    assert text == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
-                    "<|im_start|>assistant\nA<|im_end|>\n<|im_start|>tool\nT<|im_end|>\n"
-                    "<|im_start|>assistant\n")
+    assert text == "<|system|>S<|end|><|user|>U<|end|><|assistant|>A<|end|><|tool|>T<|end|><|assistant|>"
+    assert len(tok.encode(text, add_special_tokens=False)) == 13  # one token per role and per end
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -119,7 +118,7 @@ def test_codec_incremental_ids_render_the_conversation(tiny):
     full = msgs + [{"role": "assistant", "content": "ls"}, {"role": "user", "content": "out"}]
     assert tok.decode(ids) == tok.apply_chat_template(full, tokenize=False, add_generation_prompt=True)
     cut = tok.encode("ls", add_special_tokens=False)  # a turn cut at the length limit gets eos too
-    assert tok.decode(cut + codec.close(cut)) == "ls<|im_end|>\n"
+    assert tok.decode(cut + codec.close(cut)) == "ls<|end|>"
 
 
 def test_codec_rejects_templates_that_rerender(tiny):

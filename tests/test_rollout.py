@@ -3,6 +3,8 @@ and with the real tiny model (end to end, token-in/token-out against the trainer
 
 Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_rollout.py
 """
+import re
+
 import pytest
 import torch
 
@@ -39,16 +41,18 @@ class ScriptedEngine:
 
 def memory_reply(text):
     """Copy the key into the summary and answer from it: the perfect memory agent."""
-    if text.rstrip().endswith(memory_task.SUMMARY_INSTRUCTION + "<|im_end|>\n<|im_start|>assistant"):
-        return "key " + text.split("key ")[-1][0] if "\nkey " in text else "key ?"
-    if text.rstrip().endswith("answer?<|im_end|>\n<|im_start|>assistant"):
-        return text.split("key ")[-1][0]
+    keys = re.findall(r"(?:>|\n)key ([A-Z])", text)  # an observation line, or a summary's
+    if text.endswith(memory_task.SUMMARY_INSTRUCTION + "<|end|><|assistant|>"):
+        return "key " + keys[-1] if keys else "key ?"
+    if text.endswith("answer?<|end|><|assistant|>"):
+        return keys[-1] if keys else "?"
     return "ok"
 
 
 def config(**kw):
-    base = dict(context_budget=128, reserve=16, max_compactions=3, max_turns=30, max_action_tokens=4,
-                max_summary_tokens=6, summary_instruction=memory_task.SUMMARY_INSTRUCTION)
+    base = dict(context_budget=72, reserve=16, max_compactions=3, max_turns=30, max_action_tokens=4,
+                max_summary_tokens=6, summary_instruction=memory_task.SUMMARY_INSTRUCTION,
+                resume_template=memory_task.RESUME)
     return RolloutConfig(**{**base, **kw})
 
 
@@ -79,7 +83,7 @@ def test_compaction_fires_at_the_right_turn(tiny):
     actions = [s for s in seg0.spans if s[0] == "action"]
     assert len(actions) == turns
     assert [k for k, _, _ in seg0.spans][-2:] == ["summary_instruction", "summary"]  # summary ends it
-    assert tok.decode(seg0.response_ids[seg0.spans[-1][1]:]) == "key C<|im_end|>"
+    assert tok.decode(seg0.response_ids[seg0.spans[-1][1]:]) == "key C<|end|>"
 
 
 def test_masks_are_one_exactly_on_sampled_tokens(tiny):
@@ -99,7 +103,7 @@ def test_masks_are_one_exactly_on_sampled_tokens(tiny):
 def test_trainer_ids_equal_sampler_ids_across_compactions(tiny):
     """Every engine call's prompt and output appear verbatim, in order, in one segment."""
     tok, codec, _ = tiny
-    eps, engine = run(tok, codec, [row("B", 8), row("D", 8)], config(context_budget=112))
+    eps, engine = run(tok, codec, [row("B", 8), row("D", 8)], config(context_budget=64))
     assert all(e.compactions >= 2 for e in eps)
     segs = [s for e in eps for s in e.segments]
     for prompt, out in engine.calls:
@@ -113,7 +117,7 @@ def test_resume_keeps_tail_steps_verbatim(tiny):
     (ep,), _ = run(tok, codec, [row()], config())
     seg0, seg1 = ep.segments[:2]
     head = codec.prompt([{"role": "system", "content": memory_task.SYSTEM},
-                         {"role": "user", "content": resume_text(memory_task.TASK, "key C")}])
+                         {"role": "user", "content": resume_text(memory_task.TASK, "key C", template=memory_task.RESUME)}])
     assert seg1.prompt_ids[:len(head)] == head
     tail = seg1.prompt_ids[len(head):-len(codec.gen_prompt)]
     # the last two atomic steps of window 0: G A E O, G A E O
@@ -127,7 +131,7 @@ def test_k_cap_and_single_window(tiny):
     tok, codec, _ = tiny
     (ep,), _ = run(tok, codec, [row("B", 8)], config(max_compactions=0))
     assert ep.end_reason == "budget_exhausted" and ep.reward == 0.0 and len(ep.segments) == 1
-    (ep,), _ = run(tok, codec, [row("B", 8)], config(context_budget=112, max_compactions=1))
+    (ep,), _ = run(tok, codec, [row("B", 8)], config(context_budget=64, max_compactions=1))
     assert ep.compactions == 1 and ep.end_reason == "budget_exhausted" and ep.reward == 0.0
 
 

@@ -33,7 +33,7 @@ def recompute(lm, prompts, gens, temperature):
     return worst
 
 
-def prompts_of(codec, n, min_len, n_lines=4):
+def prompts_of(codec, n, min_len, n_lines=10):
     """n chat prompts (ids, ending in the generation prompt) of different lengths >= min_len."""
     out = []
     for i in range(n):
@@ -107,7 +107,7 @@ def main(out_path, work):
     r["stop_logprob_diff"] = recompute(lm, prompts, gens_stop, T)
 
     # A batch whose prefill exceeds one step's token budget (4096 on CPU) is prefilled in chunks.
-    big = prompts_of(codec, 4, min_len=32) * 40  # 160 prompts, ~7.9k prompt tokens
+    big = prompts_of(codec, 4, min_len=32) * 40  # 160 prompts, ~8.2k prompt tokens
     gens_big = engine.generate(big, [3] * len(big), T, [eos])
     r["chunked_prefill_tokens"] = sum(map(len, big))
     r["chunked_lengths_ok"] = all(len(g.token_ids) == len(g.logprobs) and 1 <= len(g.token_ids) <= 3
@@ -166,9 +166,9 @@ def main(out_path, work):
     with torch.no_grad():
         lm.get_decoder().norm.weight.mul_(1000.0)
     engine.load_weights(list(lm.state_dict().items()))
-    cfg = RolloutConfig(context_budget=128, reserve=16, max_compactions=3, max_turns=30, max_action_tokens=4,
+    cfg = RolloutConfig(context_budget=72, reserve=16, max_compactions=3, max_turns=30, max_action_tokens=4,
                         max_summary_tokens=6, summary_instruction=memory_task.SUMMARY_INSTRUCTION,
-                        temperature=0.01)
+                        resume_template=memory_task.RESUME, temperature=0.01)
     rows = memory_task.make_tasks(6, seed=3, n_noise=6, p_short=0.3)
     r["episodes"] = {}
     for stops_name, stops in (("eos", [eos]), ("every_id", list(range(len(tok))))):
