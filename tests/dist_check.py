@@ -67,8 +67,10 @@ def main(out_path, model_dir):
     rec = GradRecorder(actor)
     train.optimize(actor, rec, rows, idx, train.policy_loss_fn(cfg), cfg, tok.pad_token_id, device,
                    ("old_logprobs", "advantages"))
-    opt_a = torch.optim.Adam(actor.parameters(), lr=1e-3)
-    opt_c = torch.optim.Adam(critic.parameters(), lr=1e-3)
+    # SGD, not Adam: Adam's g / (√v + ε) turns the last-bit differences of a gradient near ε (1e-9
+    # on some embedding rows, summed in another order on 2 ranks) into update differences of ~1e-5
+    opt_a = torch.optim.SGD(actor.parameters(), lr=0.1)
+    opt_c = torch.optim.SGD(critic.parameters(), lr=0.1)
     train.optimize(critic, opt_c, rows, idx, train.value_loss_fn(cfg), cfg, tok.pad_token_id, device,
                    ("old_values", "returns"))
     train.optimize(actor, opt_a, rows, idx, train.policy_loss_fn(cfg), cfg, tok.pad_token_id, device,
