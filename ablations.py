@@ -39,13 +39,13 @@ from metrics import read_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The long task: one compaction, like the short one, but a longer window after it (C = 90, 13
-# distractors: 5 more steps before the question), so the first window's tokens have ≈ 14
-# trainable tokens after them instead of ≈ 4. With a fixed λ = 0.95 the factor (γλ)^N_after of
-# eq. 14 (train.py logs it as adv/correction) is then ≈ 0.5, against ≈ 0.88 on the short task with
-# the paper's adaptive λ, which cannot go below exp(−2/3) ≈ 0.51 by construction. (A task with two
-# compactions instead was not learned from the warm-up in 25 updates, and the base policy already
-# solves it: see the test-time K table.)
-LONG = ["--memory-noise", "13", "--context-budget", "90", "--lam-mode", "fixed", "--lam", "0.95"]
+# distractors: 5 more steps before the question), so the first window's tokens have 6 trainable
+# tokens after them (one per action, one answer) instead of 2. With a fixed λ = 0.9 the factor
+# (γλ)^N_after of eq. 14 (train.py logs it as adv/correction) is then 0.9^6 ≈ 0.53, against ≈ 0.9
+# on the short task with the paper's adaptive λ, which cannot go below exp(−2/3) ≈ 0.51 by
+# construction. (A task with two compactions instead was not learned from the warm-up in 25
+# updates, and the base policy already solves it: see the test-time K table.)
+LONG = ["--memory-noise", "13", "--context-budget", "90", "--lam-mode", "fixed", "--lam", "0.9"]
 
 # name -> (panels it appears in, train.py flags). "base" is the paper's recipe on the short task.
 VARIANTS = {

@@ -40,8 +40,11 @@ class Config:
     """K, compactions per rollout (0 = single window). Paper: 3."""
     max_turns: int = 20
     """Actions per rollout. Paper (eval): 250."""
-    max_action_tokens: int = 4
-    """Cap on one action. Paper: 10240."""
+    max_action_tokens: int = 1
+    """Cap on one action (an action cut at the cap is closed with eos, not trained). Paper: 10240.
+    The memory task's default 1: its actions are free and its answer is one symbol, so every step
+    is 7 tokens whatever the policy writes, and compaction fires at the same step on every seed
+    (with 4, a policy that wrote summary-like actions past the warm-up's window compacted twice)."""
     max_summary_tokens: int = 6
     """Cap on one summary. Paper: 10240."""
     max_observation_tokens: int = 1024
