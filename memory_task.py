@@ -3,15 +3,16 @@ only summaries that carry the key can earn reward.
 
 An episode (every line after the task is one atomic step z = (action, observation)):
 
-    system  "Remember the key; answer it when asked."                 user "Task: memory."
+    system  "Remember the key."                                       user "Task: memory."
     action → "noise B" …        0 to max_key_at distractors before the key
     action → "key C"            the key, shown once
     action → "noise A" …        the other distractors (n_noise in all), same alphabet as the key
     action → "answer?"          the question
     answer                      reward 1 if the answer's first symbol is the key, else 0
 
-Actions before the question are free (the environment ignores them). The context budget C is
-sized (in train.py) so the episode does not fit in one window: compaction fires after a few
+Actions before the question are free (the environment ignores them; train.py caps them at one
+token, so every step costs the same 7 tokens). The context budget C is sized (config.py) so the
+episode does not fit in one window: compaction fires after a few
 noise steps, the resume keeps the last k steps (the key is never among them), and the key
 survives only if the policy's own summary carries it. With K = 0 compactions the budget runs out
 and the reward is 0.
