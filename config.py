@@ -44,7 +44,8 @@ class Config:
     """Cap on one action (an action cut at the cap is closed with eos, not trained). Paper: 10240.
     The memory task's default 1: its actions are free and its answer is one symbol, so every step
     is 7 tokens whatever the policy writes, and compaction fires at the same step on every seed
-    (with 4, a policy that wrote summary-like actions past the warm-up's window compacted twice)."""
+    (with 4, on ablations.py's long task, two seeds' policies wrote summary-like actions past
+    the 7 steps of the warm-up's windows and compacted twice)."""
     max_summary_tokens: int = 6
     """Cap on one summary. Paper: 10240."""
     max_observation_tokens: int = 1024
@@ -115,7 +116,7 @@ class Config:
     """Max global grad norm."""
     critic_updates: int = 1
     """Critic updates per step (passes over the batch). Paper: 2. The CPU default is 1: each pass
-    costs as much as the policy's, and with 1 the memory task still passes 0.9 within ~10 updates."""
+    costs as much as the policy's, and with 1 the memory task still learns (README)."""
     value_pretrain_steps: int = 3
     """Critic-only steps at the start, on rollouts of the initial policy. Paper: 50."""
     summaries: Literal["trained", "masked", "frozen"] = "trained"
