@@ -54,8 +54,9 @@ def build_tiny_model(out_dir, vocab_size=1024, hidden_size=64, num_layers=2, num
 
     Byte-level BPE (any UTF-8 text round-trips) trained locally with `tokenizers`; special tokens
     for pad/eos and each chat role; a compact Phi-3-style template (CHAT_TEMPLATE). head_dim 32
-    because vLLM's CPU attention accepts head_dim in {32, 64, 80, ...}. `init_std` replaces HF's 0.02 default: a tiny random
-    model with std 0.02 has near-uniform outputs and RL from it stalls (notes/toy-memory-task).
+    because vLLM's CPU attention accepts head_dim in {32, 64, 80, ...}. `init_std` replaces HF's
+    0.02 default: a tiny random model with std 0.02 has near-uniform outputs and RL from it stalls
+    (notes/toy-memory-task).
     Returns out_dir; load it with `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer`.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
