@@ -59,11 +59,8 @@ def can_compact(n_compactions, max_compactions):
 def resume_text(task, summary, repeat_task=True, template=""):
     """u_resume(S) of eq. (9): the user message that opens the next window. `template` (with
     {task} and {summary}) replaces the default texts, e.g. a task's own shorter one."""
-    if template:
-        return template.format(task=task, summary=summary.strip())
-    if repeat_task:
-        return RESUME_WITH_TASK.format(task=task, summary=summary.strip())
-    return RESUME_SUMMARY_ONLY.format(summary=summary.strip())
+    template = template or (RESUME_WITH_TASK if repeat_task else RESUME_SUMMARY_ONLY)
+    return template.format(task=task, summary=summary.strip())
 
 
 def select_tail(head_tokens, step_tokens, budget, reserve, keep_last=2):

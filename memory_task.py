@@ -121,10 +121,8 @@ class WarmupDemoEngine:
     observation) and stalled near 0.5 (README, "What the default run learns").
     """
 
-    def __init__(self, tokenizer, n_keys, seed):
-        from model import ChatCodec
-        codec = ChatCodec(tokenizer)
-        self.tok = tokenizer
+    def __init__(self, codec, n_keys, seed):
+        self.tok = codec.tok
         self.keys = symbols(n_keys)
         self.rng = random.Random(seed)
         # a prompt ending in one of these asks for the answer / for a summary (template-agnostic)
@@ -132,8 +130,8 @@ class WarmupDemoEngine:
                                                for q in (QUESTION, SUMMARY_INSTRUCTION))
 
     def _reply(self, ids):
-        context = self.tok.decode(ids)
         if ids[-len(self.asks_answer):] == self.asks_answer:
+            context = self.tok.decode(ids)
             keys = re.findall(r"key ([A-Z])", context)
             if keys:
                 return keys[-1]
@@ -141,7 +139,7 @@ class WarmupDemoEngine:
             return kept[-1] if kept else self.rng.choice(self.keys)
         if ids[-len(self.asks_summary):] == self.asks_summary:
             # observation lines (and the previous summary's line): a whole message or line
-            lines = re.findall(r"(?:^|[>\n])((?:noise|key) [A-Z])(?=[<\n])", context)
+            lines = re.findall(r"(?:^|[>\n])((?:noise|key) [A-Z])(?=[<\n])", self.tok.decode(ids))
             return self.rng.choice(lines) if lines else f"noise {self.rng.choice(self.keys)}"
         return "ok"
 

@@ -258,10 +258,10 @@ def push_weights(actor, engine):
     engine.load_weights([(k.removeprefix("lm."), v) for k, v in sd.items()])
 
 
-def warmup(actor, cfg, codec, tokenizer, rank, per_rank, pad_id, device, print0):
+def warmup(actor, cfg, codec, rank, per_rank, pad_id, device, print0):
     """Supervised steps on demo episodes (memory task; see the module docstring). The episodes
     come from the real rollout loop, so the format includes compaction and resumption."""
-    demo = memory_task.WarmupDemoEngine(tokenizer, cfg.memory_keys, seed=cfg.seed * 7919 + rank)
+    demo = memory_task.WarmupDemoEngine(codec, cfg.memory_keys, seed=cfg.seed * 7919 + rank)
     opt = torch.optim.Adam(actor.parameters(), lr=cfg.warmup_lr)
     n = min(per_rank, 64)
     for w in range(cfg.warmup_steps):
@@ -386,7 +386,7 @@ def main(cfg):
     logger = Logger(cfg, rank, start)
     engine = engine_for(cfg, model_path, pad_id, device)
     if start == 0 and cfg.warmup_steps:
-        warmup(actor, cfg, codec, tokenizer, rank, per_rank, pad_id, device, print0)
+        warmup(actor, cfg, codec, rank, per_rank, pad_id, device, print0)
     if start == 0 and ref is not None:
         ref.load_state_dict(actor.state_dict())
     push_weights(actor, engine)

@@ -43,7 +43,7 @@ def test_warmup_demos_copy_a_random_line_into_summaries_and_answer_from_context(
     cfg = RolloutConfig(context_budget=72, reserve=16, max_compactions=3, max_turns=20,
                         max_action_tokens=4, max_summary_tokens=6,
                         summary_instruction=memory_task.SUMMARY_INSTRUCTION, resume_template=memory_task.RESUME)
-    demo = memory_task.WarmupDemoEngine(codec.tok, n_keys=4, seed=0)
+    demo = memory_task.WarmupDemoEngine(codec, n_keys=4, seed=0)
     eps = run_episodes(demo, codec, [memory_task.MemoryEnv(r) for r in rows], cfg,
                        list(range(len(rows))), [r["task_id"] for r in rows])
     short = [e for e in eps if e.compactions == 0]
