@@ -146,26 +146,31 @@ def updates_to(c, level, window=5):
     return None
 
 
-def evaluate(model_path, seed, n):
+def evaluate(model_path, seed, n, extra=()):
     """{"<task>/K=<k>": success} of the policy at `model_path` on n fresh memory tasks of each of
-    EVAL_TASKS (no short ones), with at most k compactions for each k in EVAL_K."""
+    EVAL_TASKS (no short ones), with at most k compactions for each k in EVAL_K; `extra` = the
+    train.py flags the policy was trained with (Config.extra), so the tasks match its training."""
     import torch
     from model import ChatCodec, load_tokenizer
     from rollout import make_engine
     torch.set_num_threads(1)
     tok = load_tokenizer(model_path)
     engine, codec = make_engine("hf", model_path, tok.pad_token_id, torch.device("cpu")), ChatCodec(tok)
-    return {f"{task}/K={k}": sum(e.reward for e in eval_episodes(engine, codec, seed, n_noise, k, n)) / n
+    return {f"{task}/K={k}": sum(e.reward for e in eval_episodes(engine, codec, seed, n_noise, k, n, extra)) / n
             for task, n_noise in EVAL_TASKS.items() for k in EVAL_K}
 
 
-def eval_episodes(engine, codec, seed, n_noise, k, n):
-    """n rollouts on fresh memory tasks with n_noise distractors and at most k compactions; the same
-    episodes on every call (HFEngine samples from torch's global RNG, seeded here per (seed, task, k))."""
+def eval_episodes(engine, codec, seed, n_noise, k, n, extra=()):
+    """n rollouts on fresh memory tasks with n_noise distractors and at most k compactions, under
+    train.py's Config with the flags `extra`; the same episodes on every call (HFEngine samples
+    from torch's global RNG, seeded here per (seed, task, k))."""
+    import dataclasses
     import torch
+    import tyro
     import train
     from rollout import run_episodes
-    cfg = train.Config(max_compactions=k, memory_p_short=0.0, memory_noise=n_noise, seed=seed)
+    cfg = dataclasses.replace(tyro.cli(train.Config, args=list(extra)), max_compactions=k,
+                              memory_p_short=0.0, memory_noise=n_noise, seed=seed)
     envs, ids = train.make_envs(cfg, step=10**6, rank=0, per_rank=n)  # steps training never reaches
     torch.manual_seed((seed * 1_000_003 + n_noise) * 1009 + k)
     return run_episodes(engine, codec, envs, train.rollout_config(cfg), list(range(n)), ids)
@@ -229,7 +234,7 @@ def figure(curves, evals, names, path):
     fig.savefig(path, dpi=110)
 
 
-def results(root, names, seeds, eval_rollouts):
+def results(root, names, seeds, eval_rollouts, extra=()):
     """What curves.json holds: {"curves": {variant: [success per update, per seed]}, "seeds":
     {variant: [seed]}, "test_time_k": {"<task>/K=<k>": [success per seed of base]}, "variants":
     {variant: train.py flags}}, over the runs of `names` × `seeds` that have finished."""
@@ -237,20 +242,20 @@ def results(root, names, seeds, eval_rollouts):
     names = [n for n in names if finished[n]]
     evals = {}
     if "base" in names:  # per seed, then regrouped as {"<task>/K=<k>": [success per seed]}
-        per_seed = [evaluate_run(run_dir(root, "base", s), s, eval_rollouts) for s in finished["base"]]
+        per_seed = [evaluate_run(run_dir(root, "base", s), s, eval_rollouts, extra) for s in finished["base"]]
         evals = {key: [e[key] for e in per_seed] for key in per_seed[0]}
     return {"curves": {n: [curve(run_dir(root, n, s)) for s in finished[n]] for n in names},
             "seeds": {n: finished[n] for n in names}, "test_time_k": evals,
             "variants": {n: VARIANTS[n][1] for n in names}}
 
 
-def evaluate_run(out_dir, seed, n):
+def evaluate_run(out_dir, seed, n, extra=()):
     """evaluate() of a trained base run, computed once in a process of its own (so runs of the
     pool evaluate in parallel) and kept in out_dir/eval.json."""
     path = os.path.join(out_dir, "eval.json")
     if not os.path.exists(path):
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            res = pool.submit(evaluate, os.path.join(out_dir, "hf"), seed, n).result()
+            res = pool.submit(evaluate, os.path.join(out_dir, "hf"), seed, n, extra).result()
         with open(path + ".tmp", "w") as f:
             json.dump(res, f)
         os.replace(path + ".tmp", path)
@@ -301,7 +306,7 @@ def main(cfg):
         name, s = job
         flags = ["--model", os.path.join(warm[s], "hf"), "--warmup-steps", "0", "--steps", str(cfg.steps)]
         flags += VARIANTS[name][1] + ([] if name == "base" else ["--no-export-hf"])  # base: for test-time K
-        after = (lambda d: evaluate_run(d, s, cfg.eval_rollouts)) if name == "base" else None
+        after = (lambda d: evaluate_run(d, s, cfg.eval_rollouts, cfg.extra.split())) if name == "base" else None
         run(run_dir(root, name, s), train_cmd(run_dir(root, name, s), s, flags, cfg), after)
 
     if not cfg.report_only:
@@ -310,7 +315,7 @@ def main(cfg):
             # the long runs (≈ 1.5× the tokens) first, so the last runs to finish are short ones
             jobs = sorted(((n, s) for n in names for s in seeds), key=lambda j: not j[0].startswith("long/"))
             list(pool.map(rl, jobs))
-    res = results(root, names, seeds, cfg.eval_rollouts)
+    res = results(root, names, seeds, cfg.eval_rollouts, cfg.extra.split())
     for path in cfg.merge:
         other = json.load(open(path))
         res = merge(res, select(other, names) if cfg.variants else other, path)

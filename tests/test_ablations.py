@@ -72,6 +72,10 @@ def test_smallest_grid_writes_curves_table_and_figure(tmp_path):
     tokens = [[s.response_ids for e in ablations.eval_episodes(engine, codec, 0, 4, 1, 2) for s in e.segments]
               for _ in range(2)]
     assert tokens[0] == tokens[1] and any(tokens[0])
+    # ... under the flags the policy was trained with: a budget the task never fills, no compaction
+    windows = [len(e.segments) for extra in ([], ["--context-budget", "1000"])
+               for e in ablations.eval_episodes(engine, codec, 0, 12, 4, 2, extra)]
+    assert windows[:2] != [1, 1] and windows[2:] == [1, 1]
     # --report-only trains nothing and leaves out what has not run
     cfg.variants, cfg.report_only = ("base", "summaries=masked"), True
     ablations.main(cfg)
