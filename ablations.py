@@ -1,7 +1,7 @@
 """The paper's ablations at CPU scale, on the built-in memory task, with train.py itself.
 
     python ablations.py --quick          # trained vs frozen summaries and test-time K, 2 seeds (~5 min)
-    python ablations.py                  # the full grid: 5 panels, 5 seeds (~1 h on 2 cores)
+    python ablations.py                  # the full grid: 5 panels, 5 seeds (~54 min on 2 cores)
     python ablations.py --jobs 4         # more runs at once on a bigger machine
     python ablations.py --report-only    # table and figure of the runs finished so far
     python ablations.py --seeds 2 --first-seed 2   # add seeds 2 and 3 to a grid (or split it over machines)
@@ -81,11 +81,11 @@ class Config:
     """Run (and report, also from --merge files) only these VARIANTS (names as in the table); empty =
     all, or QUICK with --quick."""
     steps: int = 25
-    """RL updates per run (the lr decays to 0 over them; base passed 0.9 at updates 12–17 on 3 of 5 seeds)."""
-    rollouts_per_step: int = 128
-    """Rollouts per update (train.py's default). A hidden-64 model (`--extra="--tiny-hidden 64
-    --tiny-heads 2"`) at 2.3× less cost per update stayed near 0.5 for 40 updates (seed 0, with
-    256 rollouts and 4-token actions)."""
+    """RL updates per run (the lr decays to 0 over them; base passed 0.9 at updates 14 and 24 on 2 of 5 seeds)."""
+    rollouts_per_step: int = 96
+    """Rollouts per update: fewer than train.py's 128, with which the grid took 60–64 min. A
+    hidden-64 model (`--extra="--tiny-hidden 64 --tiny-heads 2"`) at 2.3× less cost per update
+    stayed near 0.5 for 40 updates (seed 0, with 256 rollouts and 4-token actions)."""
     warmup_steps: int = 150
     """Supervised warm-up steps, once per seed (train.py --warmup-steps)."""
     jobs: int = 2
