@@ -119,7 +119,7 @@ def run(out_dir, cmd, after=None):
         return
     os.makedirs(out_dir, exist_ok=True)
     resume = os.path.isdir(os.path.join(out_dir, "checkpoints"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = cmd + (["--resume"] if resume else [])
     with open(os.path.join(out_dir, "log.txt"), "a") as log:
         log.write(" ".join(cmd) + "\n")

@@ -397,7 +397,8 @@ def main(cfg):
     print0(f"world {world} · {per_rank} rollouts/rank · model {model_path} · task {cfg.task} · "
            f"estimator {cfg.estimator} · normalizer {cfg.normalizer}")
     from tqdm import tqdm
-    bar = tqdm(range(start, cfg.steps), disable=rank != 0, initial=start, total=cfg.steps)
+    # disable=None: a bar on a terminal, none in a log file
+    bar = tqdm(range(start, cfg.steps), disable=True if rank != 0 else None, initial=start, total=cfg.steps)
     for step in bar:
         frac = 1.0 - step / cfg.steps if cfg.lr_schedule == "linear" else 1.0
         for opt, lr in ((opt_a, cfg.actor_lr), (opt_c, cfg.critic_lr)):
