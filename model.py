@@ -11,9 +11,12 @@ holds log π(x_{t+1} | x_{≤t}) and the value V(x_{≤t}) of the state before t
 * The critic is the same checkpoint's backbone with a scalar head (SPEC §5), zero-initialized so
   the first values are 0.
 * `ChatCodec` renders each new message once, to ids, and appends them; sampled ids are never
-  decoded and re-encoded, so the trainer sees exactly the ids the sampler saw (SPEC §2).
+  decoded and re-encoded, so the trainer sees exactly the ids the sampler saw (SPEC §2). Message
+  content is inert: special tokens come only from the template, so a file or command output
+  that contains "<|im_end|>" cannot forge a turn boundary.
 """
 import os
+import re
 
 import torch
 import torch.nn.functional as F
@@ -188,12 +191,30 @@ def export_pretrained(lm, tokenizer, out_dir, state_dict=None):
     return out_dir
 
 
+# While the template renders, each message's content is replaced by a slot: private-use code
+# points, which no template emits. The contents themselves never pass through the template.
+_SLOT = "\ue000{}\ue001"
+_SLOT_RE = re.compile("\ue000(\\d+)\ue001")
+
+
 class ChatCodec:
     """Token-in/token-out chat rendering for templates that render messages independently
     (ChatML and its kin: ours, Qwen, Phi-3, ...). Checked at construction; other templates get an error.
 
     ids = prompt(messages) then, per turn: gen_prompt, sampled ids, close(sampled ids, stopped),
     message(observation), ... Every piece is tokenized once, and the context is their concatenation.
+
+    Special tokens come only from the template's own text. The rendered text is cut at them, and
+    every stretch between two of them (template text and message content alike) is encoded with
+    special-token matching off (`encode_text`): a "<|im_end|>" inside an observation becomes
+    ordinary tokens that decode back to the same text. That is also how the tokenizer itself
+    encodes text (cut at special tokens, then each stretch on its own), so text without
+    special-token strings gets exactly the ids of `tokenizer.encode(rendered text)`. Assumed:
+    the template's special tokens match as plain strings (no lstrip/rstrip/single_word).
+    Non-special added tokens (e.g. Qwen's <think>) still match in content, as they would anyway.
+
+    Thread safety: after construction the codec holds no mutable state, and its inert encoder is
+    a private copy that nothing else touches, so it may be called from any thread.
     """
 
     def __init__(self, tokenizer):
@@ -215,9 +236,17 @@ class ChatCodec:
         eos_text = tokenizer.eos_token
         if not turn_end.startswith(eos_text):
             raise ValueError(f"the assistant turn must end with eos {eos_text!r}, got {turn_end!r}")
-        self.gen_prompt = self.encode(gen_prompt)
-        self.close_after_stop = self.encode(turn_end[len(eos_text):])
-        self.close_after_cut = self.encode(turn_end)
+        self._inert = _inert_backend(tokenizer)
+        self._special = _special_token_ids(tokenizer)
+        # longest first: a regex alternation takes the first alternative that matches, and the
+        # tokenizer matches the longest special token at a position
+        names = sorted(self._special, key=len, reverse=True)
+        self._special_re = re.compile("(" + "|".join(map(re.escape, names)) + ")" if names else "(?!)")
+        # fail here, not in the middle of a run, when the template trims or rewrites content
+        self._pieces([{"role": "system", "content": " \nS\n "}, {"role": "user", "content": "\n U \n"}])
+        self.gen_prompt = self._encode_pieces([gen_prompt])
+        self.close_after_stop = self._encode_pieces([turn_end[len(eos_text):]])
+        self.close_after_cut = self._encode_pieces([turn_end])
         self.stop_ids = [tokenizer.eos_token_id]
 
     def _render(self, messages, add_generation_prompt=False):
@@ -225,18 +254,55 @@ class ChatCodec:
                                             add_generation_prompt=add_generation_prompt)
 
     def encode(self, text):
+        """The tokenizer's plain encoding: special-token strings become special ids. For template
+        text only; text from the environment goes through `encode_text`."""
         return self.tok.encode(text, add_special_tokens=False)
+
+    def encode_text(self, text):
+        """Ids of `text` with special-token matching off: no special id, and decode gives `text`
+        back. How message content (observations, tasks, summaries) is tokenized."""
+        return self._inert.encode(text, add_special_tokens=False).ids
 
     def prompt(self, messages):
         """Ids of a full conversation start (no generation prompt)."""
-        return self.encode(self._render(messages))
+        return self._encode_pieces(self._pieces(messages))
 
     def message(self, message):
         """Ids of one non-assistant message as it renders after an assistant turn."""
-        text = self._render(self._dummy + [message])
-        if not text.startswith(self._dummy_text):
+        pieces = self._pieces(self._dummy + [message], first=len(self._dummy))
+        if not pieces[0].startswith(self._dummy_text):
             raise ValueError("chat template re-rendered earlier messages when one was appended")
-        return self.encode(text[len(self._dummy_text):])
+        return self._encode_pieces([pieces[0][len(self._dummy_text):]] + pieces[1:])
+
+    def _pieces(self, messages, first=0):
+        """The template's rendering of `messages`, cut around the content of messages[first:]:
+        [text, content, text, content, ..., text], whose concatenation is the rendering."""
+        slotted = messages[:first] + [dict(m, content=_SLOT.format(i))
+                                      for i, m in enumerate(messages[first:])]
+        pieces = _SLOT_RE.split(self._render(slotted))  # slot numbers at the odd positions
+        if pieces[1::2] != [str(i) for i in range(len(messages) - first)]:
+            raise ValueError("chat template does not render each message's content once, in order")
+        pieces[1::2] = [m["content"] for m in messages[first:]]
+        if "".join(pieces) != self._render(messages):
+            raise ValueError("chat template changes message content (trims or rewrites it); "
+                             "inert content needs it rendered verbatim")
+        return pieces
+
+    def _encode_pieces(self, pieces):
+        """Ids of [text, content, ..., text]: special tokens are matched in the template's text
+        only; each stretch between them, content included, is encoded with `encode_text`."""
+        ids, stretch = [], ""
+        for i, piece in enumerate(pieces):
+            if i % 2:  # message content: never cut
+                stretch += piece
+                continue
+            for j, part in enumerate(self._special_re.split(piece)):  # special tokens at odd j
+                if j % 2:
+                    ids += self.encode_text(stretch) + [self._special[part]]
+                    stretch = ""
+                else:
+                    stretch += part
+        return ids + self.encode_text(stretch)
 
     def close(self, sampled_ids):
         """Ids that end an assistant turn: the template's suffix after eos when the model stopped,
@@ -246,3 +312,29 @@ class ChatCodec:
 
     def decode(self, ids):
         return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def _special_token_ids(tokenizer):
+    """{text: id} of every special token: the named ones (eos, pad, ...) and the added tokens
+    marked special, which is all a chat template's role tokens often are."""
+    ids = set(tokenizer.all_special_ids)
+    ids |= {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return {tokenizer.convert_ids_to_tokens(i): i for i in ids}
+
+
+def _inert_backend(tokenizer):
+    """A private copy of a fast tokenizer's backend (`tokenizers.Tokenizer`) that never matches
+    special tokens: their strings in text become ordinary byte/BPE tokens.
+
+    Why a copy rather than transformers' `split_special_tokens=True` call argument: that argument
+    sets `encode_special_tokens` on the tokenizer's shared backend, where it stays until the next
+    call resets it, so two threads encoding at once would race. Nothing mutates this copy after
+    construction. Padding and truncation are switched off: ids of text are wanted whole."""
+    from tokenizers import Tokenizer
+    if not hasattr(tokenizer, "backend_tokenizer"):
+        raise TypeError("ChatCodec needs a fast (tokenizers-backed) tokenizer for inert content")
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.encode_special_tokens = True
+    backend.no_padding()
+    backend.no_truncation()
+    return backend

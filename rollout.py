@@ -325,11 +325,11 @@ def clip_tokens(codec, text, max_tokens):
     Why: the observation that closes a window may push it past C (the trigger is checked after
     the step); capping it bounds the longest prompt the engine ever sees to
     C + max_observation_tokens + |q_sum| + max_summary_tokens (see train.max_model_len)."""
-    ids = codec.encode(text)
+    ids = codec.encode_text(text)
     if len(ids) <= max_tokens:
         return text
     marker = f"\n[... {len(ids) - max_tokens} tokens elided ...]\n"
-    half = max(0, (max_tokens - len(codec.encode(marker))) // 2)
+    half = max(0, (max_tokens - len(codec.encode_text(marker))) // 2)
     return codec.decode(ids[:half]) + marker + codec.decode(ids[len(ids) - half:])
 
 
