@@ -96,11 +96,19 @@ def validate_row(row: dict, index: int) -> dict:
 def load_tasks(path: str = BUILTIN_TASKS_FILE) -> list[dict]:
     """Reads and validates rows from .jsonl, .json (a list) or .parquet (needs pandas).
 
-    `repo_dir` of local rows is made absolute, relative to the file's folder.
+    `repo_dir` of local rows is made absolute, relative to the file's folder. An empty file or a
+    line that is not JSON raises ValueError naming the file (and the line).
     """
     if path.endswith(".jsonl"):
+        rows = []
         with open(path, encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+            for number, line in enumerate(f, 1):  # 1-based, blank lines counted: what an editor shows
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line.rstrip("\n")))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}, line {number}, column {e.colno}: not valid JSON ({e.msg})") from e
     elif path.endswith(".json"):
         with open(path, encoding="utf-8") as f:
             rows = json.load(f)
@@ -113,6 +121,8 @@ def load_tasks(path: str = BUILTIN_TASKS_FILE) -> list[dict]:
             row.update({k: v.tolist() for k, v in row.items() if hasattr(v, "tolist")})
     else:
         raise ValueError(f"{path}: task files must be .jsonl, .json or .parquet")
+    if not rows:
+        raise ValueError(f"{path} holds no task rows")
     rows = [validate_row(row, i) for i, row in enumerate(rows)]
     seen: dict[str, int] = {}
     for i, row in enumerate(rows):
