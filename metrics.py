@@ -3,6 +3,7 @@ README ("Metrics"). Episode statistics are summed on each rank, all-reduced, the
 means, so they describe the global batch whatever the number of ranks.
 """
 import json
+import logging
 import math
 import os
 import time
@@ -13,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 import fsdp
+
+logger = logging.getLogger(__name__)
 
 ENDINGS = ("submitted", "max_turns", "format_errors", "budget_exhausted", "context_overflow", "timeout",
            "env_error")
@@ -88,10 +91,12 @@ class Logger:
         if not self.on:
             return
         os.makedirs(cfg.out_dir, exist_ok=True)
-        if os.path.exists(self.path):  # keep the steps before `start`: a resumed run redoes the rest
-            kept = [line for line in open(self.path) if json.loads(line)["step"] < start]
-            with open(self.path, "w") as f:
-                f.writelines(kept)
+        # keep the steps before `start`: a resumed run redoes the rest
+        kept = [r for r in read_records(self.path) if r["step"] < start] if os.path.exists(self.path) else []
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:  # rewritten beside, then renamed: a kill now loses nothing
+            f.writelines(json_line(r) for r in kept)
+        os.replace(tmp, self.path)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(os.path.join(cfg.out_dir, "tb"))
@@ -103,7 +108,7 @@ class Logger:
         if not self.on:
             return
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.write(json_line({"step": step, **metrics}))
         if self.tb:
             for k, v in metrics.items():
                 self.tb.add_scalar(k, v, step)
@@ -116,10 +121,35 @@ class Logger:
                 f.write(content)
 
 
-def read_metrics(metrics_path):
-    """The records of a metrics.jsonl, one per step in order."""
+def json_line(record):
+    """One metrics.jsonl line. Strict JSON has no NaN or infinity: a non-finite number is null."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False) + "\n"
+
+
+def read_records(metrics_path):
+    """The records of a metrics.jsonl as written (null for a non-finite value). A last line cut off
+    mid-write (no newline, not JSON: the run was killed while logging) is dropped with a warning;
+    any other malformed line raises ValueError naming the file and line."""
     with open(metrics_path) as f:
-        return [json.loads(line) for line in f]
+        lines = f.readlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line.rstrip("\n")))
+        except json.JSONDecodeError as e:
+            if number == len(lines) and not line.endswith("\n"):
+                logger.warning(f"{metrics_path}: dropping line {number}, cut off mid-write: {line[:80]!r}")
+                break
+            raise ValueError(f"{metrics_path}, line {number}, column {e.colno}: not a JSON record "
+                             f"({e.msg}): {line[:80]!r}") from e
+    return records
+
+
+def read_metrics(metrics_path):
+    """The records of a metrics.jsonl, one per step in order; null (a non-finite value) reads as
+    NaN, so sums and plots need no special case."""
+    return [{k: math.nan if v is None else v for k, v in r.items()} for r in read_records(metrics_path)]
 
 
 def plot_curve(metrics_path, png_path):
