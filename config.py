@@ -140,7 +140,11 @@ class Config:
     out_dir: str = "runs/default"
     """Metrics (metrics.jsonl, curve.png), trajectory dumps, checkpoints, the HF export."""
     resume: bool = False
-    """Continue from the latest checkpoint in out_dir/checkpoints."""
+    """Continue from the newest valid checkpoint in out_dir/checkpoints (one whose files match its
+    manifest; a damaged newer one is skipped with a warning). No valid checkpoint is an error."""
+    overwrite: bool = False
+    """Replace the run in out_dir: remove what train.py wrote there (rundir.RUN_ARTIFACTS), keep
+    other files. Without it (or --resume) an out_dir that holds a run is refused."""
     save_every: int = 20
     """Checkpoint every N steps (0 = only at the end)."""
     keep_checkpoints: int = 2
@@ -156,9 +160,9 @@ class Config:
     activation_checkpointing: bool = False
     """Recompute decoder-layer activations in backward."""
     tensorboard: bool = False
-    """Also log to TensorBoard (if installed)."""
+    """Also log to TensorBoard (out_dir/tb; needs `pip install tensorboard`)."""
     wandb: bool = False
-    """Also log to Weights & Biases (if installed)."""
+    """Also log to Weights & Biases (needs `pip install wandb`)."""
 
 
 def finalize(cfg, world):
@@ -171,4 +175,5 @@ def finalize(cfg, world):
     assert cfg.estimator != "G" or cfg.group_size > 1, "estimator G needs group_size > 1"
     assert cfg.reserve >= cfg.max_action_tokens, "reserve must be >= max_action_tokens (eq. 7: a response always fits)"
     assert cfg.warmup_steps == 0 or cfg.task == "memory", "the warm-up exists for the memory task only"
+    assert not (cfg.resume and cfg.overwrite), "--resume continues the run in out_dir, --overwrite replaces it"
     return per_rank

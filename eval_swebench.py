@@ -10,7 +10,7 @@ For each setting K in --max-compactions (0 = one window, "×1"; 3 = up to four w
 each run r, in <out_dir>/K<K>/run<r>/:
   1. Agent. The training loop itself, rollout.run_episodes with compaction (eqs. 7-9), over
      swe_task.SWEEnv, `workers` instances at a time. When an episode ends, the sandbox's patch is
-     taken with git (env.Sandbox.diff), never from the model's text.
+     taken with git (sandbox.Sandbox.diff), never from the model's text.
   2. Files, written per instance as it finishes: trajectories/<id>.txt (rollout.format_episode:
      every window and summary, then the patch); episodes.jsonl (turns, compactions, tokens, how it
      ended); preds.jsonl, the official predictions file ({"instance_id", "model_name_or_path",
@@ -53,7 +53,7 @@ import torch
 from tqdm import tqdm
 
 import swe_task
-from env import DiffError, docker_available
+from sandbox import DiffError, check_isolation, docker_available
 from model import ChatCodec, build_tiny_model, load_tokenizer
 from rollout import RolloutConfig, format_episode, make_engine, run_episodes
 
@@ -128,6 +128,9 @@ class Config:
     """Wall-clock seconds per episode (0 = no limit). Paper: not stated."""
     eval_timeout: int = 1800
     """Seconds for one instance's tests: the harness's --timeout (its default), and local grading's."""
+    allow_unisolated: bool = False
+    """--mode local: run agent commands as plain processes when bubblewrap cannot isolate them. Off:
+    the evaluation stops before loading the model, naming the fix (`apt-get install bubblewrap`)."""
     workers: int = 8
     """Episodes run together (one batched engine call per turn), and sandbox threads."""
     harness_workers: int = 4
@@ -479,12 +482,15 @@ def main(cfg, engine=None, tokenizer=None):
     ids = [r["instance_id"] for r in rows]
     if cfg.mode == "docker" and not docker_available():
         raise RuntimeError("--mode docker needs a Docker daemon, and `docker info` got no answer")
+    local = cfg.mode == "local"
+    if local and not cfg.allow_unisolated:
+        check_isolation()
     model_name = cfg.model_name or cfg.model or TINY_MODEL_NAME
     if engine is None:
         engine, tokenizer = load_model(cfg)
     codec = ChatCodec(tokenizer)
-    local = cfg.mode == "local"
-    make_sandbox = swe_task.local_sandbox_factory() if local else swe_task.docker_sandbox_factory()
+    make_sandbox = swe_task.local_sandbox_factory(isolated=not cfg.allow_unisolated) if local else \
+        swe_task.docker_sandbox_factory()
     results = {}
     for k in cfg.max_compactions:
         rollout_cfg = RolloutConfig(context_budget=cfg.context_budget, reserve=cfg.reserve, max_compactions=k,

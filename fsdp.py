@@ -1,12 +1,18 @@
-"""Distributed plumbing: process group, FSDP2 sharding, full-weight gathering, DCP checkpoints.
+"""Distributed plumbing: process group, FSDP2 sharding, full-weight gathering, DCP checkpoints
+verified on load by a manifest of their files' hashes.
 
 One code path from `python train.py` (a world of one) to `torchrun` on many GPUs/nodes:
 gloo on CPU, nccl on GPU. Public torch APIs only (`fully_shard`, `torch.distributed.checkpoint`).
 """
+import hashlib
+import json
+import logging
 import os
 import random
+import re
 import shutil
 import socket
+import sys
 import time
 
 import numpy as np
@@ -17,6 +23,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import rundir
+
+logger = logging.getLogger(__name__)
 
 
 def init_distributed():
@@ -52,6 +62,26 @@ def close_distributed():
         dist.barrier()
         dist.destroy_process_group()
     time.sleep(0.1)
+
+
+def fail_together(fn, rank0_only=False):
+    """Run fn on every rank (or on rank 0 alone) and return its result; if it raised on any rank,
+    raise on every rank. A check that fails on one rank must stop them all, not leave the others
+    waiting at the next collective. The raising rank keeps its own exception."""
+    error, result = None, None
+    if dist.get_rank() == 0 or not rank0_only:
+        try:
+            result = fn()
+        except Exception as e:  # shared with the other ranks below, then raised
+            error = e
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(r, msg) for r, msg in enumerate(errors) if msg is not None]
+    if failed:
+        raise RuntimeError(f"rank {failed[0][0]} failed: {failed[0][1]}")
+    return result
 
 
 def decoder_layers(module):
@@ -137,29 +167,48 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# --- checkpoints ------------------------------------------------------------------------------
+
+MANIFEST = "manifest.json"
+"""Inside each checkpoint: every other file's relative path, size and sha256, written last."""
+
+
 def save_checkpoint(root, step, models, optimizers, extra, keep=3):
     """DCP checkpoint of models + optimizers, plus per-rank `extra` (RNG states, data position).
 
-    Written to `step_N.tmp` and renamed to `step_N` only after every rank finished, so a crash
-    while saving never corrupts the latest complete checkpoint. Keeps the last `keep`.
+    Written to `step_N.tmp`, then the manifest (written last), then renamed to `step_N` only
+    after every rank finished: a crash while saving never corrupts the latest complete
+    checkpoint, and bytes damaged later are caught by `verify_checkpoint`. Keeps the last `keep`.
+    A failed write (a full disk) raises on every rank, naming the folder and the free space.
     """
     rank = dist.get_rank()
     final = os.path.join(root, f"step_{step:08d}")
     tmp = final + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    dcp.save(_state(models, optimizers), checkpoint_id=tmp)
-    torch.save(extra, os.path.join(tmp, f"extra_rank{rank}.pt"))
-    dist.barrier()
-    if rank == 0:
-        os.replace(tmp, final)
-        done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp"))
-        for old in done[:-keep]:
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    dist.barrier()
+    try:
+        fail_together(lambda: _fresh_folder(tmp), rank0_only=True)
+        dcp.save(_state(models, optimizers), checkpoint_id=tmp)  # raises on every rank if one fails
+        fail_together(lambda: torch.save(extra, os.path.join(tmp, f"extra_rank{rank}.pt")))
+        write_manifest(tmp)
+        fail_together(lambda: _publish(tmp, final, root, keep), rank0_only=True)
+    except (OSError, RuntimeError, dcp.CheckpointException) as e:
+        raise RuntimeError(f"writing the checkpoint {tmp} failed with {rundir.free_bytes(root)} bytes free on "
+                           f"its disk (is it full?): {type(e).__name__}: {e}") from e
     return final
+
+
+def _publish(tmp, final, root, keep):
+    """Rank 0: rename the finished folder into place, then drop all but the last `keep`. A step
+    folder already there was skipped as invalid on resume (latest_valid_checkpoint)."""
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fresh_folder(path):
+    shutil.rmtree(path, ignore_errors=True)  # a half-written one from a killed save
+    os.makedirs(path)
 
 
 def _state(models, optimizers):
@@ -175,15 +224,101 @@ def _state(models, optimizers):
     return state
 
 
-def latest_checkpoint(root):
+def checkpoints(root):
+    """The complete checkpoint folders in root (`step_N`, no `.tmp`), oldest first."""
     if not os.path.isdir(root):
+        return []
+    return [os.path.join(root, d) for d in sorted(os.listdir(root)) if re.fullmatch(r"step_\d+", d)]
+
+
+def latest_valid_checkpoint(root):
+    """The newest checkpoint in root that passes `verify_checkpoint`; None if root holds none.
+    A newer one that fails is skipped with a loud warning; if every one fails, raises naming the
+    folder and each bad file. A collective: every rank gets the same answer."""
+    problems = []
+    for path in reversed(checkpoints(root)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        problems.append(problem)
+        if dist.get_rank() == 0:
+            msg = f"checkpoint {path} is invalid and is skipped: {problem}"
+            print(f"WARNING: {msg}", file=sys.stderr, flush=True)
+            logger.warning(msg)
+    if problems:
+        raise RuntimeError(f"no valid checkpoint in {root}:\n  " + "\n  ".join(problems))
+    return None
+
+
+def write_manifest(folder):
+    """Hash every file of `folder` and write MANIFEST there. A collective: rank r hashes files
+    r, r+W, ..., rank 0 gathers the results and writes."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    files = [_files(folder) if rank == 0 else None]
+    dist.broadcast_object_list(files, src=0)  # one listing, the same on every rank
+    mine = fail_together(lambda: {rel: {"size": os.path.getsize(os.path.join(folder, rel)),
+                                        "sha256": _sha256(os.path.join(folder, rel))}
+                                  for rel in files[0][rank::world]})
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    entries = {rel: e for part in gathered or [] for rel, e in part.items()}
+    fail_together(lambda: rundir.write_json_atomic(os.path.join(folder, MANIFEST), {"files": entries}),
+                  rank0_only=True)
+
+
+def verify_checkpoint(folder):
+    """None if every file in folder's manifest has its recorded size and sha256, else what is
+    wrong, naming the file. A collective: rank r hashes files r, r+W, ...; the first bad file is
+    agreed by an all-reduce, so every rank returns the same answer."""
+    try:
+        with open(os.path.join(folder, MANIFEST)) as f:
+            entries = json.load(f)["files"]
+    except FileNotFoundError:
+        return (f"{folder} has no {MANIFEST}, so it cannot be verified (written by a version of "
+                f"save_checkpoint that did not write one, or not by save_checkpoint)")
+    except (json.JSONDecodeError, KeyError) as e:
+        return f"{os.path.join(folder, MANIFEST)} is unreadable ({e})"
+    names = sorted(entries)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first_bad = next((i for i in range(rank, len(names), world)
+                      if _file_problem(folder, names[i], entries[names[i]], hash=True)), len(names))
+    first_bad = int(all_reduce(first_bad, dist.ReduceOp.MIN))
+    if first_bad == len(names):
         return None
-    done = sorted(d for d in os.listdir(root) if d.startswith("step_") and not d.endswith(".tmp"))
-    return os.path.join(root, done[-1]) if done else None
+    name = names[first_bad]  # sizes are cheap to re-check; a file of the right size has the wrong hash
+    problem = _file_problem(folder, name, entries[name], hash=False) or "its sha256 differs from the manifest"
+    return f"{os.path.join(folder, name)}: {problem}"
+
+
+def _file_problem(folder, rel, entry, hash):
+    path = os.path.join(folder, rel)
+    if not os.path.isfile(path):
+        return "missing"
+    size = os.path.getsize(path)
+    if size != entry["size"]:
+        return f"{size} bytes where the manifest says {entry['size']} (truncated?)"
+    if hash and _sha256(path) != entry["sha256"]:
+        return "its sha256 differs from the manifest"
+    return None
+
+
+def _files(folder):
+    """Every file under folder but the manifest, as sorted relative paths."""
+    found = [os.path.relpath(os.path.join(d, n), folder) for d, _, names in os.walk(folder) for n in names]
+    return sorted(f for f in found if f != MANIFEST)
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def load_checkpoint(path, models, optimizers):
-    """Load a `save_checkpoint` directory in place; returns this rank's `extra`."""
+    """Load a `save_checkpoint` directory in place; returns this rank's `extra`. Pick `path` with
+    `latest_valid_checkpoint`, which verifies it."""
     state = _state(models, optimizers)
     dcp.load(state, checkpoint_id=path)
     for name, model in models.items():

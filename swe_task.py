@@ -25,6 +25,7 @@ import logging
 import os
 import shlex
 import tempfile
+import time
 from collections.abc import Callable
 
 from swebench.harness.constants import (APPLY_PATCH_FAIL, END_TEST_OUTPUT, START_TEST_OUTPUT, TESTS_TIMEOUT,
@@ -33,8 +34,8 @@ from swebench.harness.grading import get_eval_report
 from swebench.harness.log_parsers import PARSER_REGISTRY
 from swebench.harness.utils import make_test_spec
 
-from env import (SUBMIT_SENTINEL, DiffError, DockerSandbox, LocalSandbox, Sandbox, SandboxError, Step,
-                 format_observation, is_submission, parse_action)
+from env import SUBMIT_SENTINEL, Step, format_observation, is_submission, parse_action
+from sandbox import DiffError, DockerSandbox, LocalSandbox, Sandbox, SandboxError
 
 logger = logging.getLogger(__name__)
 
@@ -138,14 +139,14 @@ def load_tasks(path: str = BUILTIN_TASKS_FILE) -> list[dict]:
 
 # ---------------------------------------------------------------- sandboxes per row
 
-def local_sandbox_factory(hide: tuple[str, ...] = (PROJECT_DIR,), **kwargs) -> SandboxFactory:
-    """Local rows: a LocalSandbox of `repo_dir` at `base_commit`. `hide` keeps this project (task
-    files and git history hold the gold patches) out of the agent's sight, our venv excepted;
-    kwargs go to LocalSandbox."""
+def local_sandbox_factory(**kwargs) -> SandboxFactory:
+    """Local rows: a LocalSandbox of `repo_dir` at `base_commit` (kwargs go to LocalSandbox). The
+    sandbox shows commands nothing of this project (its task files and git history hold the gold
+    patches) but our venv."""
     def make(row: dict) -> Sandbox:
         if row["image"] != LOCAL_IMAGE:
             raise ValueError(f"{row['instance_id']}: image {row['image']!r} needs a docker sandbox factory")
-        return LocalSandbox(row["repo_dir"], row["base_commit"], hide=hide, **kwargs)
+        return LocalSandbox(row["repo_dir"], row["base_commit"], **kwargs)
     return make
 
 
@@ -207,6 +208,20 @@ def grade(row: dict, patch: str, sandbox_factory: SandboxFactory, timeout: float
 
 # ---------------------------------------------------------------- the environment
 
+def retry(fn: Callable, attempts: int, what: str, backoff_s: float = 1.0):
+    """fn(), tried up to `attempts` times while it raises SandboxError (a container that did not
+    start, a daemon that hiccupped), waiting backoff_s, 2·backoff_s, ... between tries. Anything
+    else, and the last SandboxError, propagates: the episode then ends as env_error."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except SandboxError as e:
+            if attempt == attempts:
+                raise
+            logger.warning("%s failed (attempt %d of %d), retrying: %s", what, attempt, attempts, e)
+            time.sleep(backoff_s * 2 ** (attempt - 1))
+
+
 SYSTEM_PROMPT = f"""You are a software engineer resolving an issue in a code repository through a shell.
 
 In every reply, briefly explain your next step, then give exactly ONE shell command in ONE fenced block:
@@ -239,16 +254,18 @@ class SWEEnv:
     """One task episode: a sandbox of the row's repository, graded by `grade` on a fresh one."""
 
     def __init__(self, row: dict, sandbox_factory: SandboxFactory, *, command_timeout: float = 60.0,
-                 eval_timeout: float = 300.0):
+                 eval_timeout: float = 300.0, attempts: int = 3):
         self.row, self.sandbox_factory = row, sandbox_factory
-        self.command_timeout, self.eval_timeout = command_timeout, eval_timeout
+        self.command_timeout, self.eval_timeout, self.attempts = command_timeout, eval_timeout, attempts
         self.sandbox: Sandbox | None = None
         self.done = False
         self.last_grade: dict | None = None   # the report behind the last reward(), for logs
 
     def reset(self) -> list[dict]:
         self.close()
-        self.sandbox, self.done, self.last_grade = self.sandbox_factory(self.row), False, None
+        self.sandbox = retry(lambda: self.sandbox_factory(self.row), self.attempts,
+                             f"{self.row['instance_id']}: starting a sandbox")
+        self.done, self.last_grade = False, None
         task = USER_TEMPLATE.format(problem_statement=self.row["problem_statement"].strip())
         return [{"role": "system", "content": SYSTEM_PROMPT.format(timeout=self.command_timeout)},
                 {"role": "user", "content": task}]
@@ -276,7 +293,8 @@ class SWEEnv:
             self.last_grade = {"instance_id": self.row["instance_id"], "resolved": False,
                                "patch_applied": False, "tests_status": None, "log": str(e)}
             return 0.0
-        self.last_grade = grade(self.row, patch, self.sandbox_factory, self.eval_timeout)
+        self.last_grade = retry(lambda: grade(self.row, patch, self.sandbox_factory, self.eval_timeout),
+                                self.attempts, f"{self.row['instance_id']}: grading")
         return float(self.last_grade["resolved"])
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import fsdp
 import memory_task
+import rundir
 from advantage import (adaptive_lambda, concatenated_gae, correction_factor, cross_trajectory_gae,
                        group_advantage, masked_whiten, rollout_lengths, segment_gae)
 from batch import micro_batches, minibatch_indices, pad, to_rows
@@ -109,6 +110,42 @@ def rollout_config(cfg):
                          max_summary_tokens=cfg.max_summary_tokens, keep_last=cfg.keep_last,
                          max_observation_tokens=cfg.max_observation_tokens,
                          repeat_task=cfg.repeat_task, temperature=cfg.temperature)
+
+
+def prepare_run(cfg, rank):
+    """The start-up checks and the run folder (rundir.py), before any model is loaded; a check
+    that fails on one rank raises on every rank. Returns (model path, checkpoint to resume or None)."""
+    fsdp.fail_together(lambda: check_inputs(cfg))
+    fsdp.fail_together(lambda: rundir.probe_writable(cfg.out_dir, f".write_probe_rank{rank}"))
+    fsdp.fail_together(lambda: rundir.prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite), rank0_only=True)
+    ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
+    resume_from = fsdp.latest_valid_checkpoint(ckpt_root) if cfg.resume else None  # verifies the files
+    if cfg.resume and resume_from is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_root} to continue from; start a new "
+                                f"run without --resume (with --overwrite to replace {cfg.out_dir})")
+    model_path = cfg.model or os.path.join(cfg.out_dir, "tiny_model")
+
+    def write_run_files():
+        rundir.write_config(cfg.out_dir, asdict(cfg))
+        if not cfg.model:  # the embedded default: written by rank 0, read by all
+            rundir.ensure_tiny_model(model_path, tiny_model_args(cfg), cfg.resume, build_tiny_model)
+    fsdp.fail_together(write_run_files, rank0_only=True)
+    return model_path, resume_from
+
+
+def check_inputs(cfg):
+    """Flags and input files that would otherwise fail after the models load."""
+    rundir.check_optional_packages([f for f, on in (("--tensorboard", cfg.tensorboard), ("--wandb", cfg.wandb)) if on])
+    if cfg.task == "swe":
+        import swe_task
+        swe_task.load_tasks(cfg.tasks_path)
+
+
+def tiny_model_args(cfg):
+    """build_tiny_model's arguments for the embedded model (kept beside it: a change rebuilds it)."""
+    return {"hidden_size": cfg.tiny_hidden, "num_layers": cfg.tiny_layers, "num_heads": cfg.tiny_heads,
+            "intermediate_size": 4 * cfg.tiny_hidden, "max_positions": 8192,  # RoPE room for max_model_len(cfg)
+            "seed": cfg.seed}
 
 
 # --- (2) old log-probs and values ---------------------------------------------------------------
@@ -352,17 +389,10 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
 def main(cfg):
     rank, world, device = fsdp.init_distributed()
     per_rank = finalize(cfg, world)
+    model_path, resume_from = prepare_run(cfg, rank)  # every check before any model is loaded
     import transformers
     transformers.utils.logging.disable_progress_bar()
     print0 = print if rank == 0 else (lambda *a, **k: None)
-    model_path = cfg.model
-    if not model_path:  # the embedded default: written once by rank 0, read by all
-        model_path = os.path.join(cfg.out_dir, "tiny_model")
-        if rank == 0 and not os.path.exists(os.path.join(model_path, "config.json")):
-            build_tiny_model(model_path, hidden_size=cfg.tiny_hidden, num_layers=cfg.tiny_layers,
-                             num_heads=cfg.tiny_heads, intermediate_size=4 * cfg.tiny_hidden,
-                             max_positions=8192, seed=cfg.seed)  # RoPE room for max_model_len(cfg)
-        dist.barrier()
     tokenizer = load_tokenizer(model_path)
     codec = ChatCodec(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -377,12 +407,11 @@ def main(cfg):
     ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
     models = {"actor": actor, "critic": critic, **({"ref": ref} if ref is not None else {})}
     start = 0
-    latest = fsdp.latest_checkpoint(ckpt_root) if cfg.resume else None
-    if latest:
-        extra = fsdp.load_checkpoint(latest, models, {"actor": opt_a, "critic": opt_c})
+    if resume_from:
+        extra = fsdp.load_checkpoint(resume_from, models, {"actor": opt_a, "critic": opt_c})
         start = extra["step"] + 1
         fsdp.set_rng_state(extra["rng"])
-        print0(f"resumed from {latest} at step {start}")
+        print0(f"resumed from {resume_from} at step {start}")
     logger = Logger(cfg, rank, start)
     engine = engine_for(cfg, model_path, pad_id, device)
     if start == 0 and cfg.warmup_steps:

@@ -9,3 +9,33 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+import functools  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+REQUIRE_BWRAP = os.environ.get("COMPACTIONRL_TEST_REQUIRE_BWRAP") == "1"   # .ci/run sets it
+
+
+@functools.lru_cache(maxsize=None)
+def bwrap_isolates() -> bool:
+    """Whether local sandboxes isolate here. Where COMPACTIONRL_TEST_REQUIRE_BWRAP=1 (CI), a
+    sandbox that cannot isolate is an error, so no escape test is skipped unseen."""
+    from sandbox import SandboxError, check_isolation
+    try:
+        check_isolation()
+        return True
+    except SandboxError:
+        if REQUIRE_BWRAP:
+            raise
+        return False
+
+
+@pytest.fixture(scope="session")
+def sandbox_kwargs():
+    """LocalSandbox options for tests that run only our own harmless commands: isolated where
+    bubblewrap works, else explicitly not. Escape attempts never use this: they require isolation
+    and skip without it."""
+    return {} if bwrap_isolates() else {"isolated": False}

@@ -14,12 +14,13 @@ import os
 import shutil
 import subprocess
 import sys
-import warnings
 
 import pytest
 
 import eval_swebench as ev
-from env import SUBMIT_SENTINEL, docker_available
+from conftest import bwrap_isolates
+from env import SUBMIT_SENTINEL
+from sandbox import SandboxError, docker_available
 from model import build_tiny_model, load_tokenizer
 from rollout import Generation
 from swe_task import BUILTIN_TASKS_FILE, load_tasks
@@ -39,13 +40,6 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tok(tiny):
     return tiny[1]
-
-
-@pytest.fixture(autouse=True)
-def quiet_sandbox_warnings():
-    with warnings.catch_warnings():   # the bwrap fallback warning is tested in test_sandbox.py
-        warnings.simplefilter("ignore")
-        yield
 
 
 class ScriptedAgent:
@@ -80,7 +74,8 @@ def gold_agent(tok, rows):
 def gold_config(out_dir, ids, **kw):
     """Room for a whole patch in one action (the tiny tokenizer spends ~400 tokens on one)."""
     base = dict(instance_ids=ids, runs=1, max_compactions=(0,), max_turns=4, context_budget=4096, reserve=1024,
-                max_action_tokens=1024, max_summary_tokens=64, workers=2, eval_timeout=60, out_dir=str(out_dir))
+                max_action_tokens=1024, max_summary_tokens=64, workers=2, eval_timeout=60, out_dir=str(out_dir),
+                allow_unisolated=not bwrap_isolates())
     return ev.Config(**{**base, **kw})
 
 
@@ -140,7 +135,7 @@ def test_tiny_model_end_to_end_both_settings(tiny, tmp_path, capsys):
     path, _ = tiny
     cfg = ev.Config(model=path, instance_ids=(A, B), runs=1, max_compactions=(0, 1), max_turns=3, context_budget=1024,
                     reserve=96, max_action_tokens=48, max_summary_tokens=32, workers=2, engine="hf",
-                    out_dir=str(tmp_path))
+                    out_dir=str(tmp_path), allow_unisolated=not bwrap_isolates())
     results = ev.main(cfg)
     assert list(results) == [0, 1]
     for k, (stats,) in results.items():
@@ -319,6 +314,13 @@ def test_config_errors_explain_themselves(tok, tmp_path):
         ev.main(gold_config(tmp_path, (A,), n_instances=1), engine=NoEngine(), tokenizer=tok)
     with pytest.raises(AssertionError, match="each K once"):
         ev.main(gold_config(tmp_path, (A,), max_compactions=(3, 3)), engine=NoEngine(), tokenizer=tok)
+
+
+def test_local_mode_refuses_to_run_unisolated_before_loading_the_model(tmp_path, monkeypatch):
+    monkeypatch.setattr("sandbox.shutil.which", lambda name: None)   # as on a machine without bubblewrap
+    monkeypatch.setattr(ev, "load_model", lambda cfg: pytest.fail("the model was loaded"))
+    with pytest.raises(SandboxError, match="apt-get install bubblewrap.*--allow-unisolated"):
+        ev.main(gold_config(tmp_path, (A,), allow_unisolated=False))
 
 
 def test_random_subset_is_seeded_and_in_dataset_order():

@@ -10,11 +10,12 @@ import json
 import os
 import shlex
 import sys
-import warnings
 
 import pytest
 
-from env import SUBMIT_SENTINEL, LocalSandbox, SandboxError
+from conftest import bwrap_isolates
+from env import SUBMIT_SENTINEL
+from sandbox import SandboxError
 from swe_task import (BUILTIN_TASKS_DIR, BUILTIN_TASKS_FILE, PROJECT_DIR, SWEEnv, apply_patch, grade,
                       load_tasks, local_sandbox_factory, validate_row)
 from tasks.swe.build_tasks import build_rows, render
@@ -32,10 +33,8 @@ BREAK_A_PASSING_TEST = {
 
 
 @pytest.fixture(scope="module")
-def factory():
-    with warnings.catch_warnings():   # the fallback warning is tested in test_sandbox.py
-        warnings.simplefilter("ignore")
-        yield local_sandbox_factory()
+def factory(sandbox_kwargs):
+    return local_sandbox_factory(**sandbox_kwargs)
 
 
 def replace_command(path: str, old: str, new: str) -> str:
@@ -163,6 +162,45 @@ def test_load_tasks_reads_parquet_like_jsonl(tmp_path):
     assert load_tasks(path) == ROWS
 
 
+# ---------------------------------------------------------------- transient failures
+
+def test_a_sandbox_that_fails_to_start_or_grade_is_retried_a_bounded_number_of_times(factory, monkeypatch):
+    """A container start or a grading that fails with SandboxError is tried again (3 attempts in
+    all); a failure on every attempt propagates, and the rollout ends that episode as env_error."""
+    monkeypatch.setattr("swe_task.time.sleep", lambda s: None)
+    row, calls = ROWS[0], []
+
+    def flaky(fail_times):
+        def make(r):
+            calls.append(r["instance_id"])
+            if len(calls) <= fail_times:
+                raise SandboxError("docker daemon hiccup")
+            return factory(r)
+        return make
+
+    env = SWEEnv(row, flaky(2))
+    env.reset()   # third attempt starts
+    try:
+        assert len(calls) == 3 and env.step(act(f"echo {SUBMIT_SENTINEL}")).done
+    finally:
+        env.close()
+    calls.clear()
+    with pytest.raises(SandboxError, match="hiccup"):
+        SWEEnv(row, flaky(3)).reset()
+    assert len(calls) == 3
+    graded = []
+    monkeypatch.setattr("swe_task.grade", lambda *a: graded.append(1) or (_ for _ in ()).throw(SandboxError("grader")))
+    env = SWEEnv(row, factory)
+    env.reset()
+    try:
+        env.step(act("echo change >> README.md"))
+        with pytest.raises(SandboxError, match="grader"):
+            env.reward()
+        assert len(graded) == 3
+    finally:
+        env.close()
+
+
 # ---------------------------------------------------------------- a scripted episode
 
 def act(command: str) -> str:
@@ -210,10 +248,8 @@ def test_episode_without_a_fix_or_with_broken_git_earns_0(factory):
 
 def test_agent_cannot_read_the_task_files(factory):
     """The project (tasks, git history) is hidden; only our venv stays, and python still works."""
-    try:
-        LocalSandbox(ROWS[0]["repo_dir"], require_isolation=True).close()
-    except SandboxError as e:
-        pytest.skip(f"bubblewrap isolation unavailable: {e}")
+    if not bwrap_isolates():
+        pytest.skip("bubblewrap isolation unavailable")
     env = SWEEnv(ROWS[0], factory)
     env.reset()
     try:

@@ -3,6 +3,7 @@ on the same global batch; the optimized loss is the global token mean; resume is
 
 Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_train.py   (about 2 minutes on 2 cores)
 """
+import json
 import os
 import subprocess
 import sys
@@ -53,6 +54,14 @@ def test_end_to_end(tmp_path, nproc):
     assert [r["train/actor_lr"] for r in recs] == [lr, lr / 2]  # linear decay to 0 over --steps 2
     assert recs[1]["policy/sampler_logprob_diff"] < 1e-4  # the trainer sees what the sampler saw
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step_00000001"]  # keep = 1
+    with open(os.path.join(out, "checkpoints", "step_00000001", "manifest.json")) as f:
+        hashed = json.load(f)["files"]  # every rank's files, hashed across the ranks
+    assert {f"extra_rank{r}.pt" for r in range(nproc or 1)} | {".metadata"} <= set(hashed)
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f) == {**vars(train.Config()), "steps": 2, "out_dir": out, "save_every": 1,
+                                "keep_checkpoints": 1, "dump_every": 1, "rollouts_per_step": 8,
+                                "warmup_steps": 2, "value_pretrain_steps": 1, "mini_batches": 2,
+                                "micro_batch_tokens": 2048, "activation_checkpointing": bool(nproc)}
     assert os.path.exists(os.path.join(out, "curve.png"))
     assert "TRAIN action" in open(os.path.join(out, "samples_step00001.txt")).read()
     load_policy(os.path.join(out, "hf"))  # the export loads in transformers

@@ -10,7 +10,7 @@ Each folder `<name>/` holds:
   test.patch            the hidden tests (changes only test files)
   task.json             {"instance_id", "FAIL_TO_PASS", "PASS_TO_PASS"}, pytest ids as `-rA` prints them
 
-Rows follow the swebench-5 schema. `base_commit` is the commit `env.commit_base` makes of repo/
+Rows follow the swebench-5 schema. `base_commit` is the commit `sandbox.commit_base` makes of repo/
 (fixed author and date, so it is reproducible); `LocalSandbox` checks it, so a row goes stale
 (loudly) when its repository changes. `image` is "local": these tasks run in a `LocalSandbox`
 copy of `repo_dir` (relative to this folder), not in a container. The eval script has the
@@ -26,7 +26,7 @@ import shutil
 import sys
 import tempfile
 
-from env import COPY_IGNORE, commit_base
+from sandbox import COPY_IGNORE, commit_base
 
 TASKS_DIR = os.path.dirname(os.path.abspath(__file__))
 TASKS_FILE = os.path.join(TASKS_DIR, "tasks.jsonl")
