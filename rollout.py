@@ -174,7 +174,7 @@ class _Live:
     env: object
     system: str
     task: str
-    seg: Segment
+    seg: Segment | None  # None when the environment failed to start
     steps: list = field(default_factory=list)  # atomic steps of this window: (action ids, E+O ids)
     format_errors: int = 0
     start: float = 0.0
@@ -210,14 +210,10 @@ def run_episodes(engine, codec, envs, cfg, rollout_ids, task_ids, group_ids=None
     summary_engine: another engine writes the summaries (the "frozen summarizer" ablation); its
     tokens are then not the policy's samples and are not trained (mask 0)."""
     group_ids = group_ids if group_ids is not None else rollout_ids
-    live = []
-    for env, rid, tid, gid in zip(envs, rollout_ids, task_ids, group_ids):
-        messages = env.reset()
-        system, task = messages[0]["content"], messages[1]["content"]
-        seg = Segment(prompt_ids=codec.prompt(messages), rollout_id=rid)
-        live.append(_Live(Episode(rid, tid, gid), env, system, task, seg, start=time.time()))
-    done = []
     with cf.ThreadPoolExecutor(max_workers=max(1, cfg.env_workers)) as pool:
+        starts = list(pool.map(_reset, envs))   # sandboxes start concurrently
+        states = [_start(*a, codec) for a in zip(envs, starts, rollout_ids, task_ids, group_ids)]
+        live, done = _split(states, lambda s: s.ep.end_reason == "")
         while live:
             live, ended = _check_limits(live, cfg)
             done += ended
@@ -234,6 +230,26 @@ def run_episodes(engine, codec, envs, cfg, rollout_ids, task_ids, group_ids=None
         for s, r in zip(done, list(pool.map(_score, done))):
             _finish(s, r)
     return sorted([s.ep for s in done], key=lambda e: e.rollout_id)
+
+
+def _reset(env):
+    """env.reset(), or the exception it raised (a sandbox that would not start)."""
+    try:
+        return env.reset()
+    except Exception as e:
+        return e
+
+
+def _start(env, messages, rid, tid, gid, codec):
+    """The episode's first window; a failed reset ends the episode at once, with env_error and no
+    window."""
+    ep = Episode(rid, tid, gid)
+    if isinstance(messages, Exception):
+        log.error("environment of rollout %s (task %s) failed to start", rid, tid, exc_info=messages)
+        ep.end_reason = "env_error"
+        return _Live(ep, env, "", "", None)
+    seg = Segment(prompt_ids=codec.prompt(messages), rollout_id=rid)
+    return _Live(ep, env, messages[0]["content"], messages[1]["content"], seg, start=time.time())
 
 
 def _split(states, keep):
@@ -347,7 +363,8 @@ def _env_step(s, text):
 def _score(s):
     """The outcome reward: graded only when the agent submitted (SPEC §1: a rollout that ran out
     of budget, turns or format gets 0 and is still trained). The environment is closed either way;
-    a grading failure is logged and scores 0, with end_reason "env_error"."""
+    a grading failure is logged and scores 0, with end_reason "env_error"; a failure to close is
+    logged and changes nothing (the episode and its reward are complete)."""
     try:
         return float(s.env.reward()) if s.ep.end_reason == "submitted" else 0.0
     except Exception:
@@ -355,7 +372,11 @@ def _score(s):
         s.ep.end_reason = "env_error"
         return 0.0
     finally:
-        s.env.close()
+        try:
+            s.env.close()
+        except Exception:
+            log.exception("closing the environment of rollout %s (task %s) failed", s.ep.rollout_id,
+                          s.ep.task_id)
 
 
 def _finish(s, reward):
