@@ -389,9 +389,9 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
 def main(cfg):
     rank, world, device = fsdp.init_distributed()
     per_rank = finalize(cfg, world)
-    model_path, resume_from = prepare_run(cfg, rank)  # every check before any model is loaded
     import transformers
     transformers.utils.logging.disable_progress_bar()
+    model_path, resume_from = prepare_run(cfg, rank)  # every check before any model is loaded
     print0 = print if rank == 0 else (lambda *a, **k: None)
     tokenizer = load_tokenizer(model_path)
     codec = ChatCodec(tokenizer)
