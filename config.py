@@ -21,6 +21,12 @@ class Config:
     """SWE task rows (swebench-5 schema, JSON/JSONL) for --task swe."""
     sandbox: Literal["local", "docker"] = "local"
     """Where SWE commands run: local (bubblewrap) or docker (official SWE-bench images)."""
+    allow_unisolated: bool = False
+    """Run local agent commands as plain processes when bubblewrap cannot isolate them. Off: such a
+    run stops before loading any model, naming the fix (`apt-get install bubblewrap`)."""
+    keep_env_errors: bool = False
+    """Train on episodes that ended in env_error (a sandbox or grader failure: not the policy's
+    doing). Off: they are left out of the batch, and counted in end/env_error."""
     memory_keys: int = 4
     """Memory task: number of possible keys (chance success = 1/memory_keys)."""
     memory_noise: int = 6

@@ -92,7 +92,8 @@ def make_envs(cfg, step, rank, per_rank, warmup=False):
         all_rows = swe_task.load_tasks(cfg.tasks_path)
         start = (step * cfg.rollouts_per_step // cfg.group_size + rank * n_tasks)
         rows = [all_rows[(start + i) % len(all_rows)] for i in range(n_tasks)]
-        sandbox = swe_task.docker_sandbox_factory() if cfg.sandbox == "docker" else swe_task.local_sandbox_factory()
+        sandbox = swe_task.docker_sandbox_factory() if cfg.sandbox == "docker" else \
+            swe_task.local_sandbox_factory(isolated=not cfg.allow_unisolated)
         make = lambda row: swe_task.SWEEnv(row, sandbox)  # noqa: E731
     rows = [r for r in rows for _ in range(cfg.group_size)]
     return [make(r) for r in rows], [r.get("task_id", r.get("instance_id")) for r in rows]
@@ -139,6 +140,9 @@ def check_inputs(cfg):
     if cfg.task == "swe":
         import swe_task
         swe_task.load_tasks(cfg.tasks_path)
+        if cfg.sandbox == "local" and not cfg.allow_unisolated:
+            from sandbox import check_isolation
+            check_isolation()  # no agent command runs unconfined unless the user says so
 
 
 def tiny_model_args(cfg):
@@ -311,6 +315,16 @@ def warmup(actor, cfg, codec, rank, per_rank, pad_id, device, print0):
             print0(f"warm-up {w + 1}/{cfg.warmup_steps}: nll/token {stats.get('loss', 0):.3f}")
 
 
+def trainable_episodes(episodes, keep_env_errors=False, mask_truncated=False):
+    """The episodes that enter the batch. Not one that sampled no token (its prompt alone
+    overflowed C); by default not one a sandbox or grader failure ended (env_error: not the
+    policy's doing, so neither its reward 0 nor its tokens say anything about the policy); with
+    SUPO-style overlong masking, only those that submitted."""
+    return [e for e in episodes if sum(s.n_tokens for s in e.segments) > 0
+            and (keep_env_errors or e.end_reason != "env_error")
+            and not (mask_truncated and e.end_reason != "submitted")]
+
+
 def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, codec, rank, per_rank,
                pad_id, device):
     times, m = {}, {}
@@ -324,10 +338,7 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
         episodes = run_episodes(engine, codec, envs, rollout_config(cfg), rids, task_ids, gids,
                                 summary_engine=frozen)
         engine.sleep()
-    # Nothing to train in a rollout that sampled no token (its prompt alone overflowed C);
-    # SUPO-style overlong masking drops every rollout that did not submit.
-    kept = [e for e in episodes if sum(s.n_tokens for s in e.segments) > 0
-            and not (cfg.mask_truncated and e.end_reason != "submitted")]
+    kept = trainable_episodes(episodes, cfg.keep_env_errors, cfg.mask_truncated)
     rows = to_rows([s for e in kept for s in e.segments], cfg.summaries)
     group_of = {e.rollout_id: e.group_id for e in episodes}
     # (2) old log-probs and values

@@ -17,6 +17,7 @@ from advantage import cross_trajectory_gae, rollout_lengths
 from loss import ppo_policy_loss
 from metrics import read_metrics
 from model import build_tiny_model, load_policy, load_tokenizer, token_logprobs
+from sandbox import SandboxError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--rollouts-per-step", "8", "--warmup-steps", "2", "--value-pretrain-steps", "1",
@@ -147,3 +148,24 @@ def test_logger_drops_the_steps_a_resumed_run_redoes(tmp_path):
     assert [(r["step"], r["rollout/reward"]) for r in read_metrics(path)] == [(0, 0.0), (1, 0.25), (2, 1.0)]
     Logger(cfg, rank=0, start=0)  # a fresh run starts an empty file
     assert read_metrics(path) == []
+
+
+def test_env_error_episodes_stay_out_of_the_batch_unless_asked():
+    from rollout import Episode, Segment
+    def episode(end, tokens=2):
+        seg = Segment(prompt_ids=[1, 2])
+        seg.append([3] * tokens, "action", [-0.1] * tokens)
+        return Episode(0, "t", 0, segments=[seg], end_reason=end)
+    eps = [episode("submitted"), episode("env_error"), episode("budget_exhausted"), episode("max_turns", 0),
+           Episode(1, "t", 1, end_reason="env_error")]   # a sandbox that never started: no window
+    assert train.trainable_episodes(eps) == eps[:1] + eps[2:3]
+    assert train.trainable_episodes(eps, keep_env_errors=True) == eps[:3]
+    assert train.trainable_episodes(eps, mask_truncated=True) == eps[:1]
+
+
+def test_swe_task_refuses_unisolated_agent_commands_before_any_model(monkeypatch):
+    monkeypatch.setattr("sandbox.shutil.which", lambda name: None)   # as on a machine without bubblewrap
+    with pytest.raises(SandboxError, match="apt-get install bubblewrap"):
+        train.check_inputs(train.Config(task="swe"))
+    train.check_inputs(train.Config(task="swe", allow_unisolated=True))   # asked for: no check
+    train.check_inputs(train.Config(task="swe", sandbox="docker"))
