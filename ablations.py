@@ -35,6 +35,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from fsdp import checkpoints
 from metrics import read_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -118,9 +119,10 @@ def run(out_dir, cmd, after=None):
     if os.path.exists(done):
         return
     os.makedirs(out_dir, exist_ok=True)
-    resume = os.path.isdir(os.path.join(out_dir, "checkpoints"))
+    # a run killed after a checkpoint continues from it; one killed before starts over
+    resume = bool(checkpoints(os.path.join(out_dir, "checkpoints")))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = cmd + (["--resume"] if resume else [])
+    cmd = cmd + (["--resume"] if resume else ["--overwrite"])
     with open(os.path.join(out_dir, "log.txt"), "a") as log:
         log.write(" ".join(cmd) + "\n")
         log.flush()

@@ -5,6 +5,7 @@ Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_ablations.py
 """
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -18,6 +19,18 @@ def test_updates_to_uses_a_trailing_mean():
     assert ablations.updates_to([0.0, 1.0, 1.0, 1.0, 1.0, 1.0], 0.9) == 5
     assert ablations.updates_to([0.0, 1.0, 1.0, 1.0, 1.0, 1.0], 0.5) == 4
     assert ablations.updates_to([0.4] * 10, 0.5) is None
+
+
+def test_an_interrupted_run_resumes_from_a_checkpoint_or_starts_over(tmp_path):
+    """train.py refuses an out dir that holds a run unless told: a run killed after a checkpoint
+    is resumed, one killed before it (metrics.jsonl, no checkpoint) is overwritten."""
+    echo = [sys.executable, "-c", "import sys; print(sys.argv[1:])"]
+    for name, has_checkpoint in (("early", False), ("late", True)):
+        out = tmp_path / name
+        (out / "checkpoints" / ("step_00000009" if has_checkpoint else "step_00000009.tmp")).mkdir(parents=True)
+        (out / "metrics.jsonl").write_text('{"step": 0}\n')
+        ablations.run(str(out), echo)
+        assert (out / "log.txt").read_text().splitlines()[-1] == str(["--resume" if has_checkpoint else "--overwrite"])
 
 
 def test_merge_joins_grids_of_disjoint_seeds_and_refuses_a_seed_twice():
