@@ -53,9 +53,10 @@ import torch
 from tqdm import tqdm
 
 import swe_task
-from sandbox import DiffError, check_isolation, docker_available
 from model import ChatCodec, build_tiny_model, load_tokenizer
 from rollout import RolloutConfig, format_episode, make_engine, run_episodes
+from rundir import ensure_tiny_model
+from sandbox import DiffError, check_isolation, docker_available
 
 VERIFIED = "SWE-bench/SWE-bench_Verified"
 SWEBENCH5_COLUMNS = ("image", "eval_script", "log_parser", "eval_type")   # rows carry these since swebench 5
@@ -461,9 +462,9 @@ def format_table(results):
 def load_model(cfg):
     """(engine, tokenizer) of --model, or of the embedded tiny model (built once into out_dir)."""
     model_path = cfg.model or os.path.join(cfg.out_dir, "tiny_model")
-    if not cfg.model and not os.path.exists(os.path.join(model_path, "config.json")):
+    if not cfg.model:   # built atomically, and again if --seed changed
         # RoPE has no learned positions: 8192 only lets vLLM accept windows past the default C
-        build_tiny_model(model_path, max_positions=8192, seed=cfg.seed)
+        ensure_tiny_model(model_path, {"max_positions": 8192, "seed": cfg.seed}, False, build_tiny_model)
     tokenizer = load_tokenizer(model_path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     engine = make_engine(cfg.engine, model_path, pad, "cuda" if torch.cuda.is_available() else "cpu",

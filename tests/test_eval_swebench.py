@@ -339,7 +339,10 @@ def test_docker_mode_gold_agent_on_one_verified_instance(tok, tmp_path):
     """The official image and harness; needs the daemon, network for the dataset and the image."""
     from swebench.harness.utils import load_swebench_dataset
     iid = "sympy__sympy-20590"
-    rows = load_swebench_dataset(ev.VERIFIED, "test", [iid])
+    try:
+        rows = load_swebench_dataset(ev.VERIFIED, "test", [iid])
+    except ConnectionError as e:   # a daemon without the Hub (CI builds its images locally)
+        pytest.skip(f"SWE-bench Verified cannot be loaded here: {e}")
     results = ev.main(gold_config(tmp_path, (iid,), mode="docker", eval_timeout=1800, command_timeout=300),
                       engine=gold_agent(tok, rows), tokenizer=tok)
     assert results[0][0]["pass@1"] == 1.0
