@@ -566,6 +566,9 @@ def check_isolation(bwrap: str = "bwrap") -> None:
 
 # ---------------------------------------------------------------- docker
 
+ROOT_LABEL = "compactionrl.sandboxes"   # the Docker label that carries the run's sandboxes root
+
+
 def docker_available(docker: str = "docker", timeout: float = 20.0) -> bool:
     """True when a Docker daemon answers `docker info`."""
     try:
@@ -574,7 +577,8 @@ def docker_available(docker: str = "docker", timeout: float = 20.0) -> bool:
         return False
 
 
-def _docker(docker: str, *args: str, timeout: float = 600.0) -> str:
+def _docker_call(docker: str, *args: str, timeout: float = 600.0) -> subprocess.CompletedProcess:
+    """Runs the docker CLI; SandboxError, with its stderr, when it is missing, hangs or fails."""
     try:
         proc = subprocess.run([docker, *args], capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError as e:
@@ -582,40 +586,67 @@ def _docker(docker: str, *args: str, timeout: float = 600.0) -> str:
     except subprocess.TimeoutExpired as e:
         raise SandboxError(f"`{docker} {' '.join(args[:2])} ...` did not answer within {timeout:g} s") from e
     if proc.returncode != 0:
-        raise SandboxError(f"`{docker} {' '.join(args[:2])} ...` failed (a Docker daemon must answer "
-                           f"`docker info`): {proc.stderr.strip()}")
-    return proc.stdout.strip()
+        raise SandboxError(f"`{docker} {' '.join(args[:2])} ...` failed: {proc.stderr.strip()}")
+    return proc
 
 
-def remove_stale_containers(docker: str = "docker") -> list[str]:
-    """Removes containers labelled with a run of this host that no live process holds (see
-    `remove_stale_sandboxes`); returns their ids."""
-    listing = _docker(docker, "ps", "-a", "--filter", f"label={RUN_LABEL}",
+def _docker(docker: str, *args: str, timeout: float = 600.0) -> str:
+    return _docker_call(docker, *args, timeout=timeout).stdout.strip()
+
+
+def remove_stale_containers(docker: str = "docker", root: str | None = None) -> list[str]:
+    """Removes the containers of runs of this host under `root` (default `sandboxes_root()`) that
+    no live process holds (see `remove_stale_sandboxes`); returns their ids. A run's lock lives
+    under its own root, so containers of another root (another user or TMPDIR) are never judged."""
+    root = root or sandboxes_root()
+    listing = _docker(docker, "ps", "-a", "--filter", f"label={ROOT_LABEL}={root}",
                       "--format", f'{{{{.ID}}}} {{{{.Label "{RUN_LABEL}"}}}}')
-    host, root = socket.gethostname() + "-", sandboxes_root()
-    stale = [cid for cid, run in (line.split() for line in listing.splitlines() if line.strip())
-             if run.startswith(host) and run != RUN_ID and _lock_is_free(os.path.join(root, run + ".lock"))]
+    host = socket.gethostname() + "-"
+    runs = [line.split(" ", 1) for line in listing.splitlines() if " " in line.strip()]
+    stale = [cid for cid, run in runs if run.startswith(host) and run != RUN_ID and "/" not in run
+             and _lock_is_free(os.path.join(root, run + ".lock"))]
     if stale:
         _docker(docker, "rm", "-f", *stale, timeout=120.0)
     return stale
 
 
-_docker_cleaned: set[str] = set()   # docker CLIs whose stale containers this process removed
+_docker_cleaned: set[tuple[str, str]] = set()   # (docker CLI, root) whose stale containers this process removed
+_docker_warned: set[str] = set()                 # daemon warnings already logged
 
 
 # Capabilities a test suite running as root in its container may need to own and change its own
-# files (Docker's default set minus raw sockets, mknod, chroot, audit and file capabilities).
+# files: Docker's default set minus raw sockets, mknod, chroot, audit, setpcap, low ports and file
+# capabilities.
 DOCKER_CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID")
 
 
-def docker_run_flags(limits: Limits, network: str) -> list[str]:
+def docker_run_flags(limits: Limits, network: str, root: str | None = None) -> list[str]:
     """`docker run` flags of a sandbox container: the limits, no network unless asked for, no
-    privileges beyond DOCKER_CAPS, and this run's label for clean-up."""
-    return ["--network", network, "--memory", str(limits.memory_bytes),
+    privileges beyond DOCKER_CAPS, an init, and the labels of this run (`RUN_ID`, and the sandboxes
+    root that holds its lock) for clean-up.
+
+    --init: PID 1 would otherwise be `sleep`, which never reaps, so every orphan (a background job
+    of a command that ended or timed out) would stay a zombie, counted by --pids-limit, until no
+    fork succeeds. --cpus in thousandths: the CLI refuses a value finer than a nano-CPU (2/3)."""
+    return ["--init", "--network", network, "--memory", str(limits.memory_bytes),
             "--memory-swap", str(limits.memory_bytes), "--pids-limit", str(limits.processes),
-            "--cpus", str(limits.cpus), "--ulimit", f"fsize={limits.file_bytes}", "--ulimit", "core=0",
+            "--cpus", f"{limits.cpus:.3f}", "--ulimit", f"fsize={limits.file_bytes}", "--ulimit", "core=0",
             "--ulimit", f"nofile={limits.open_files}", "--security-opt", "no-new-privileges",
-            "--cap-drop", "ALL", *[f"--cap-add={cap}" for cap in DOCKER_CAPS], "--label", f"{RUN_LABEL}={RUN_ID}"]
+            "--cap-drop", "ALL", *[f"--cap-add={cap}" for cap in DOCKER_CAPS],
+            "--label", f"{RUN_LABEL}={RUN_ID}", "--label", f"{ROOT_LABEL}={root or sandboxes_root()}"]
+
+
+def _refuse_discarded_limits(stderr: str) -> None:
+    """A daemon whose kernel lacks a cgroup (pids, memory) still starts the container, only warning
+    that the limit was "discarded": a sandbox must not run without it. Other warnings (e.g. memory
+    "limited without swap") are logged, once each."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    if discarded := [line for line in lines if "discarded" in line.lower()]:
+        raise SandboxError("the Docker daemon cannot enforce the sandbox's limits here: " + " ".join(discarded))
+    for line in lines:
+        if line.startswith("WARNING") and line not in _docker_warned:
+            _docker_warned.add(line)
+            logger.warning("docker run: %s", line)
 
 
 class DockerSandbox(Sandbox):
@@ -627,25 +658,33 @@ class DockerSandbox(Sandbox):
     --foreground mode) signals its whole process group, TERM then KILL 5 s later, so background
     jobs die with a timed-out command; a host deadline 15 s later kills the `docker exec` client.
     Unlike the local sandbox, background jobs of a command that ENDS keep running, and setsid
-    escapes timeouts, until `close()` removes the container. `network="none"` unless a task needs
-    one (e.g. "bridge").
+    escapes timeouts, until `close()` removes the container; the container's init reaps them.
+    `network="none"` unless a task needs one (e.g. "bridge"). `root`: the sandboxes folder whose
+    run lock marks this run's containers as live (default `sandboxes_root()`).
     """
 
     def __init__(self, image: str, base_commit: str | None = None, *, workdir: str = "/testbed",
                  docker: str = "docker", network: str = "none", limits: Limits = Limits(),
-                 ttl_s: int = 6 * 3600, env: dict[str, str] | None = None,
+                 root: str | None = None, ttl_s: int = 6 * 3600, env: dict[str, str] | None = None,
                  max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES):
         self.workdir, self.docker, self.max_output_bytes = workdir, docker, max_output_bytes
         # SWE-bench images activate their conda env in /root/.bashrc; BASH_ENV makes `bash -c` read it
         self.env = {"BASH_ENV": "/root/.bashrc", **QUIET_ENV, **(env or {})}
-        run_dir(sandboxes_root())   # holds this run's lock, so later runs see its containers as live
-        if docker not in _docker_cleaned:
-            if removed := remove_stale_containers(docker):
+        root = root or sandboxes_root()
+        run_dir(root)   # holds this run's lock, so later runs see its containers as live
+        if (docker, root) not in _docker_cleaned:
+            if removed := remove_stale_containers(docker, root):
                 logger.warning("removed %d containers of runs that are gone", len(removed))
-            _docker_cleaned.add(docker)
-        self.container = _docker(docker, "run", "-d", "--rm", "-w", workdir, *docker_run_flags(limits, network),
-                                 image, "sleep", str(ttl_s))
+            _docker_cleaned.add((docker, root))
+        flags = docker_run_flags(limits, network, root)
         try:
+            started = _docker_call(docker, "run", "-d", "--rm", "-w", workdir, *flags, image, "sleep", str(ttl_s))
+        except SandboxError as e:
+            raise SandboxError(f"could not start a container of {image} (flags, limits from `Limits`: "
+                               f"{shlex.join(flags)}): {e}") from e
+        self.container = started.stdout.strip()
+        try:
+            _refuse_discarded_limits(started.stderr)
             self.base_commit = base_commit or self._head()
         except BaseException:
             self.close()
