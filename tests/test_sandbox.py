@@ -24,8 +24,8 @@ import pytest
 
 from conftest import bwrap_isolates
 from env import MAX_COMMAND_BYTES, SUBMIT_SENTINEL, CommandResult, format_observation, is_submission, parse_action
-from sandbox import (RUN_ID, RUN_LABEL, DiffError, DockerSandbox, Limits, LocalSandbox, SandboxError,
-                     docker_available, docker_run_flags, run_dir)
+from sandbox import (DOCKER_CAPS, ROOT_LABEL, RUN_ID, RUN_LABEL, DiffError, DockerSandbox, Limits, LocalSandbox,
+                     SandboxError, docker_available, docker_run_flags, run_dir, sandboxes_root)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -287,6 +287,42 @@ def test_no_capability_and_no_way_to_regain_one(isolated):
     assert "Operation not permitted" in nested.output and "UNSHARE -1 1\n" in nested.output, nested.output
 
 
+UNPRIVILEGED_CHECK = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from sandbox import LocalSandbox
+with LocalSandbox(sys.argv[2], root=sys.argv[3]) as box:
+    print(box.run("id -u; grep -E '^(CapEff|CapBnd|NoNewPrivs)' /proc/self/status; cat /etc/shadow; "
+                  "unshare -Ur true || echo NO-USERNS; echo x > /usr/escape || echo NO-WRITE", 10).output)
+"""
+
+
+def test_as_a_user_other_than_root_the_same_holds(tmp_path):
+    """The user-namespace path (bwrap run by a user, as on a laptop), tried as nobody from a root
+    test: setpriv starts a system python as uid 65534 on a world-readable copy of a task."""
+    if os.geteuid() != 0 or not bwrap_isolates() or not os.path.exists("/usr/bin/python3"):
+        pytest.skip("needs root (to become nobody), bubblewrap and a system python3")
+    if not all(os.stat(d).st_mode & 0o005 == 0o005 for d in (ROOT, os.path.dirname(ROOT))):
+        pytest.skip(f"nobody cannot read this checkout ({ROOT})")
+    shared = tempfile.mkdtemp(prefix="crl-nobody-", dir="/tmp")   # tmp_path is root's alone
+    try:
+        os.chmod(shared, 0o755)
+        os.makedirs(task := os.path.join(shared, "task"))
+        with open(os.path.join(task, "a.txt"), "w") as f:
+            f.write("a\n")
+        os.makedirs(root := os.path.join(shared, "sandboxes"))
+        os.chown(root, 65534, 65534)
+        result = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                                 "/usr/bin/python3", "-c", UNPRIVILEGED_CHECK, ROOT, task, root],
+                                capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+        out = result.stdout
+        assert result.returncode == 0, result.stderr
+        assert out.split()[0] == "65534" and "CapEff:\t0000000000000000" in out and "CapBnd:\t0000000000000000" in out
+        assert "NoNewPrivs:\t1" in out and "NO-USERNS" in out and "NO-WRITE" in out and "root:" not in out
+    finally:
+        shutil.rmtree(shared)
+
+
 def test_read_only_mounts_cannot_be_remounted_or_undone(repo, marker_dir):
     """The one-line escape of the old sandbox: `mount -o remount,bind,rw /`, then a write. Here the
     target is a read-only host folder of the test's own; if a try got through, the write lands there."""
@@ -309,7 +345,7 @@ def test_sees_only_what_a_task_needs(isolated, marker_dir):
     secret = marker_dir / "secret.txt"
     probes = {
         "shadow": "cat /etc/shadow", "root": "ls -A /root/.bashrc /root/.ssh /root/.cache",
-        "run": "ls -A /run /var/run /var", "host-tmp": f"cat {secret}",
+        "run": "ls -A /run /var/run /var /home", "host-tmp": f"cat {secret}",
         "gold": f"cat {ROOT}/tasks/swe/*/gold.patch {ROOT}/tasks/swe/tasks.jsonl",
         "git": f"git -C {ROOT} log -1", "docker-socket": "ls -l /var/run/docker.sock /run/docker.sock",
     }
@@ -490,14 +526,21 @@ def test_a_killed_trainer_leaves_its_sandbox_for_the_next_start(tmp_path, repo, 
 
 # ---------------------------------------------------------------- docker
 
+def flag_values(flags: list[str], name: str) -> list[str]:
+    return [flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag == name]
+
+
 def test_docker_run_flags_are_secure_by_default():
     flags = docker_run_flags(Limits(), "none")
     pairs = {flag: flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag.startswith("--") and "=" not in flag}
     assert pairs["--network"] == "none" and pairs["--pids-limit"] == "512"
     assert pairs["--memory"] == pairs["--memory-swap"] == str(8 << 30)
     assert pairs["--cap-drop"] == "ALL" and pairs["--security-opt"] == "no-new-privileges"
-    assert pairs["--label"] == f"{RUN_LABEL}={RUN_ID}" and "--privileged" not in flags
-    assert f"fsize={2 << 30}" in flags and "--cpus" in flags
+    assert [f for f in flags if f.startswith("--cap-add")] == [f"--cap-add={cap}" for cap in DOCKER_CAPS]
+    assert flag_values(flags, "--ulimit") == [f"fsize={2 << 30}", "core=0", "nofile=4096"]
+    assert flag_values(flags, "--label") == [f"{RUN_LABEL}={RUN_ID}", f"{ROOT_LABEL}={sandboxes_root()}"]
+    assert "--init" in flags and "--privileged" not in flags and pairs["--cpus"] == "2.000"
+    assert flag_values(docker_run_flags(Limits(cpus=2 / 3), "none"), "--cpus") == ["0.667"]   # not "too precise"
 
 
 def test_docker_sandbox_without_daemon_raises_clearly():
@@ -505,6 +548,40 @@ def test_docker_sandbox_without_daemon_raises_clearly():
         pytest.skip("a Docker daemon answers here")
     with pytest.raises(SandboxError, match="docker"):
         DockerSandbox("swebench/sweb.eval.x86_64.sympy_1776_sympy-20590:latest")
+
+
+def fake_docker(folder, warning: str) -> str:
+    """A docker CLI that prints `warning` when it starts a container, answers `exec` with a commit
+    id, and logs its calls to <folder>/calls: the daemon of a kernel we do not have."""
+    (folder / "warning").write_text(warning + "\n")
+    path = folder / "docker"
+    path.write_text(f"#!/bin/sh\necho \"$@\" >> {folder}/calls\ncase \"$1\" in\n"
+                    f"  run) cat {folder}/warning >&2; echo fake-container;;\n"
+                    f"  exec) echo {'0' * 40};;\nesac\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_docker_sandbox_refuses_a_limit_the_daemon_discards(tmp_path):
+    """A daemon without the pids cgroup starts the container anyway, only warning; the sandbox
+    removes it and says which limit cannot hold."""
+    warning = ("WARNING: Your kernel does not support pids limit capabilities or the cgroup is not "
+               "mounted. PIDs limit discarded.")
+    docker, root = fake_docker(tmp_path, warning), str(tmp_path / "sandboxes")
+    with pytest.raises(SandboxError, match="cannot enforce the sandbox's limits here: .*PIDs limit discarded"):
+        DockerSandbox("image", docker=docker, root=root)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls[0].startswith(f"ps -a --filter label={ROOT_LABEL}={root} ")   # only runs of this root are judged
+    assert calls[-1] == "rm -f fake-container"
+
+
+def test_docker_sandbox_logs_other_daemon_warnings_once(tmp_path, caplog):
+    warning = f"WARNING: Memory limited without swap ({uuid.uuid4().hex})."
+    docker = fake_docker(tmp_path, warning)
+    for _ in range(2):
+        with DockerSandbox("image", docker=docker, root=str(tmp_path / "sandboxes")) as box:
+            assert box.base_commit == "0" * 40
+    assert [r.getMessage() for r in caplog.records].count(f"docker run: {warning}") == 1
 
 
 @pytest.mark.skipif(not docker_available(), reason="no Docker daemon answers `docker info`")
@@ -518,3 +595,157 @@ def test_docker_sandbox_round_trip():
         assert slow.timed_out and "started" in slow.output
         assert box.run("echo '# edit' >> README.md 2>/dev/null || echo '# edit' > NEW.md", 30).returncode == 0
         assert "# edit" in box.diff()
+
+
+# Real-daemon tests. Each makes its own containers (removed at the end, whatever happens) and tries
+# each limit with a bounded amount just above it, so a limit that failed costs the host little.
+
+DOCKER_SMALL = Limits(processes=32, memory_bytes=128 << 20, file_bytes=1 << 20, open_files=64, cpus=1.0)
+CAP_NUMBERS = {"CHOWN": 0, "DAC_OVERRIDE": 1, "FOWNER": 3, "FSETID": 4, "KILL": 5, "SETGID": 6, "SETUID": 7}
+
+
+@pytest.fixture(scope="module")
+def docker_image():
+    """COMPACTIONRL_TEST_DOCKER_IMAGE (any image with bash, coreutils, python3, git and a git
+    repository at /testbed) or SWEBENCH_TEST_IMAGE (an official SWE-bench image), already present:
+    the tests never pull. Named but missing is a failure, not a skip, so a broken image build shows."""
+    image = os.environ.get("COMPACTIONRL_TEST_DOCKER_IMAGE") or os.environ.get("SWEBENCH_TEST_IMAGE")
+    if not image:
+        pytest.skip("set COMPACTIONRL_TEST_DOCKER_IMAGE (bash, python3, git, a repository at /testbed) "
+                    "or SWEBENCH_TEST_IMAGE to run the Docker sandbox against a real daemon")
+    if not docker_available():
+        pytest.skip("no Docker daemon answers `docker info`")
+    if subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode != 0:
+        pytest.fail(f"the test image {image!r} is not present locally; build or pull it first")
+    return image
+
+
+@pytest.fixture
+def container(docker_image):
+    box = DockerSandbox(docker_image, limits=DOCKER_SMALL)
+    yield box
+    box.close()
+
+
+def test_docker_commands_timeouts_output_and_diff(container, docker_image):
+    """Fresh shells at /testbed; a timeout kills the command and its background job; a flood is
+    capped, tail kept; diff() is the agent's change and applies in a fresh container."""
+    box, marker = container, f"98{uuid.uuid4().int % 10**6}.25"
+    assert box.run("pwd; cd /; export X=1", 30).output == "/testbed\n"
+    assert box.run('pwd; echo "X=${X:-unset}"', 30).output == "/testbed\nX=unset\n"
+    start = time.monotonic()
+    slow = box.run(f"echo started; sleep {marker} & sleep 60", 2)
+    assert slow.timed_out and "started" in slow.output and time.monotonic() - start < 10
+    assert marker not in box.run("cat /proc/[0-9]*/cmdline | tr '\\0' ' '", 30).output
+    flood = box.run("head -c 100000000 /dev/zero | tr '\\0' x; echo; echo THE-END", 60)
+    assert flood.truncated and "100000009 bytes in total" in flood.output and flood.output.endswith("THE-END\n")
+    assert len(flood.output) < box.max_output_bytes + 300
+    edited = box.run("f=$(git ls-files | head -1); echo '# agent edit' >> \"$f\"; echo new > agent_new.txt; "
+                     "echo \"$f\"", 30).output.strip()
+    patch = box.diff()
+    assert f"diff --git a/{edited} b/{edited}" in patch and "+# agent edit" in patch and "b/agent_new.txt" in patch
+    with DockerSandbox(docker_image, limits=DOCKER_SMALL) as fresh:
+        applied = fresh.run(f"git apply {fresh.write_file('agent.diff', patch)} && git status --porcelain", 30)
+        assert applied.returncode == 0 and f" M {edited}\n" in applied.output and "?? agent_new.txt" in applied.output
+
+
+def test_docker_orphans_are_reaped(container):
+    """45 orphans against a limit of 32 processes: without an init as PID 1 (`sleep` never reaps)
+    each would stay a zombie, counted by the pids limit, until no fork succeeds."""
+    for _ in range(3):
+        assert container.run("for i in $(seq 15); do (sleep 0.01 &); done; sleep 0.5", 30).returncode == 0
+    zombies = container.run("grep -l '^State:.*Z' /proc/[0-9]*/status | wc -l", 30)
+    assert zombies.output.strip() == "0", zombies.output
+    assert container.run("echo forks", 30).output == "forks\n"
+
+
+def test_docker_limits_hold(container):
+    """40 processes against 32, 256 MiB against 128 (the kernel kills the process in the
+    container's cgroup; the container goes on), 2 MiB against a 1 MiB file, 100 files against 64."""
+    spawn = ("import subprocess\nstarted = []\nfor _ in range(40):\n    try:\n"
+             "        started.append(subprocess.Popen(['sleep', '30']))\n    except OSError as e:\n"
+             "        print('REFUSED', e)\n        break\nfor p in started:\n    p.kill()\n    p.wait()\n"
+             "print('STARTED', len(started))\n")
+    processes = container.run(f"python3 - <<'EOF'\n{spawn}EOF", 30).output
+    assert "Resource temporarily unavailable" in processes and 20 < int(processes.split()[-1]) < 32, processes
+    memory = container.run("python3 -c 'b = b\"x\" * (64 << 20); print(\"64 MiB\", \"ok\")'; "   # bash echoes
+                           "python3 -c 'b = b\"x\" * (256 << 20); print(\"256 MiB\", \"ok\")'; echo rc=$?", 60).output
+    assert "64 MiB ok" in memory and "256 MiB ok" not in memory and "rc=137" in memory, memory   # SIGKILL
+    big = container.run("head -c 2097152 /dev/zero > /tmp/two; echo rc=$?; stat -c %s /tmp/two; rm /tmp/two", 30)
+    assert "File size limit exceeded" in big.output and "rc=153\n1048576\n" in big.output, big.output   # SIGXFSZ
+    files = container.run("python3 -c 'fs = [open(\"/dev/null\") for _ in range(100)]' 2>&1 | tail -1", 30)
+    assert "Too many open files" in files.output, files.output
+    assert container.run("echo alive", 30).output == "alive\n"
+
+
+def test_docker_has_no_network_not_even_the_hosts_loopback(container):
+    """A port the test opens on every host address: unreachable from inside, and never connected."""
+    server = socket.socket()
+    server.bind(("0.0.0.0", 0))
+    server.listen(1)
+    server.settimeout(0.5)
+    try:
+        port, addresses = server.getsockname()[1], ["127.0.0.1", "172.17.0.1"]   # loopback, docker0's host side
+        try:
+            addresses.append(socket.gethostbyname(socket.gethostname()))
+        except OSError:   # a host name without an address
+            pass
+        probe = "; ".join(f"timeout 5 bash -c 'exec 3<>/dev/tcp/{a}/{port}' && echo CONNECTED || echo BLOCKED"
+                          for a in addresses)
+        result = container.run(f"{probe}; ls /sys/class/net", 60)
+        assert "CONNECTED" not in result.output and result.output.count("BLOCKED") == len(addresses), result.output
+        assert result.output.split()[-1] == "lo", result.output   # the only interface
+        with pytest.raises(socket.timeout):
+            server.accept()
+    finally:
+        server.close()
+
+
+def test_docker_holds_only_the_file_owner_capabilities(container):
+    status = container.run("grep -E '^(Cap|NoNewPrivs)' /proc/self/status", 30).output
+    fields = dict(line.split(":\t") for line in status.splitlines())
+    allowed = sum(1 << CAP_NUMBERS[cap] for cap in DOCKER_CAPS)
+    assert int(fields["CapEff"], 16) == int(fields["CapPrm"], 16) == int(fields["CapBnd"], 16) == allowed, status
+    assert int(fields["CapInh"], 16) == int(fields["CapAmb"], 16) == 0 and fields["NoNewPrivs"] == "1", status
+    tries = container.run("mount -t tmpfs none /mnt && echo MOUNTED; unshare -Urm true && echo UNSHARED; "
+                          "mount -o remount,ro / && echo REMOUNTED", 30)
+    assert not {"MOUNTED", "UNSHARED", "REMOUNTED"} & set(tries.output.split()), tries.output
+
+
+DOCKER_CHILD = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from sandbox import DockerSandbox, Limits
+with DockerSandbox(sys.argv[2], root=sys.argv[3], limits=Limits(processes=32, memory_bytes=128 << 20, cpus=1.0)) as box:
+    print(box.container, flush=True)
+    time.sleep(float(sys.argv[4]))
+"""
+
+
+def container_exists(container_id: str) -> bool:
+    return subprocess.run(["docker", "inspect", container_id], capture_output=True).returncode == 0
+
+
+def test_docker_containers_of_a_killed_run_are_removed_at_the_next_start(tmp_path, docker_image):
+    """A real kill -9 of a process holding a container; the next run's first DockerSandbox removes
+    that container and keeps the one of a run that still lives. Only this test's containers are
+    judged: they carry its own sandboxes root."""
+    root, made = str(tmp_path / "sandboxes"), []
+    children = [subprocess.Popen([sys.executable, "-c", DOCKER_CHILD, ROOT, docker_image, root, "120"],
+                                 stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        killed, live = (child.stdout.readline().strip() for child in children)
+        made += [killed, live]
+        children[0].kill()
+        children[0].wait()
+        assert container_exists(killed) and container_exists(live)
+        next_run = subprocess.run([sys.executable, "-c", DOCKER_CHILD, ROOT, docker_image, root, "0"],
+                                  capture_output=True, text=True, timeout=120)
+        assert next_run.returncode == 0, next_run.stderr
+        assert "removed 1 containers" in next_run.stderr and not container_exists(killed) and container_exists(live)
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+        for container_id in filter(None, made):
+            subprocess.run(["docker", "rm", "-f", container_id], capture_output=True)
