@@ -14,7 +14,8 @@ Two sandboxes, one interface (`Sandbox`: `run`, `write_file`, `diff`, `close`, `
   - Privileges: when the trainer runs as root, each sandbox gets an unprivileged uid of its own
     (setpriv: no capabilities, an empty bounding set, no_new_privs), so even a way out would land
     as nobody in particular; otherwise commands run as the user in a user namespace with every
-    capability dropped and no further user namespaces.
+    capability dropped. Either way a seccomp filter (x86_64, aarch64) refuses new user namespaces,
+    which would give capabilities back.
   - Processes and network: an own PID namespace (everything dies with the command), an own
     network namespace (no host TCP, no abstract sockets), own IPC and host name.
   - Limits (`Limits`): wall time (each `run`'s timeout), processes, memory, file size, /tmp and
@@ -334,11 +335,12 @@ def remove_tree(path: str) -> None:
 
 
 def tree_bytes(path: str) -> int:
-    """Disk blocks used under `path`, in bytes (sparse files count what they use)."""
+    """Disk used under `path`, in bytes: each entry's blocks (a sparse file counts what it uses),
+    and at least one 4 KiB block per entry, so a flood of empty files counts too."""
     total = 0
     for _, dirs, files, fd in os.fwalk(path):
         for name in dirs + files:
-            total += os.stat(name, dir_fd=fd, follow_symlinks=False).st_blocks * 512
+            total += max(os.stat(name, dir_fd=fd, follow_symlinks=False).st_blocks * 512, 4096)
     return total
 
 

@@ -492,6 +492,14 @@ def test_disk_limit_of_the_task_copy_and_home(limited):
         limited.run("for i in $(seq 9); do head -c 1048576 /dev/urandom > f$i; done", 20)
 
 
+def test_disk_limit_counts_a_flood_of_empty_files(repo):
+    """Empty files take no data blocks but do take inodes: each counts as 4 KiB, so 3000 of them
+    pass an 8 MiB quota."""
+    with isolated_sandbox(repo, limits=SMALL) as box:
+        with pytest.raises(SandboxError, match="over its limit"):
+            box.run("mkdir many && cd many && seq 3000 | xargs touch", 20)
+
+
 # ---------------------------------------------------------------- stale runs
 
 def test_sandboxes_of_a_killed_run_are_removed_at_the_next_start(tmp_path, repo, sandbox_kwargs):
