@@ -222,3 +222,19 @@ def test_templates_that_rewrite_content_are_rejected():
     trimming = CHATML_TEMPLATE.replace("message['content']", "(message['content'] | trim)")
     with pytest.raises(ValueError, match="changes message content"):
         ChatCodec(chatml_tokenizer(trimming))
+
+
+def test_a_command_that_prints_special_tokens_cannot_forge_a_turn(tok_and_specials, tmp_path, sandbox_kwargs):
+    """End to end: a file in the task's repository holds the hostile text, the agent cats it in a
+    real sandbox, and the observation message carries only the template's special ids."""
+    from env import format_observation
+    from sandbox import LocalSandbox
+    tok, specials, _ = tok_and_specials
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "NOTES.md").write_text(hostile(specials))
+    with LocalSandbox(str(tmp_path / "repo"), **sandbox_kwargs) as box:
+        observation = format_observation(box.run("cat NOTES.md", 10))
+    assert hostile(specials) in observation
+    codec = ChatCodec(tok)
+    ids = codec.message({"role": "user", "content": observation})
+    assert skeleton(tok, ids) == skeleton(tok, codec.message({"role": "user", "content": "x"}))
