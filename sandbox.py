@@ -302,9 +302,12 @@ def remove_stale_sandboxes(root: str) -> list[str]:
     stale = [name[:-len(".lock")] for name in os.listdir(root)
              if name.endswith(".lock") and _lock_is_free(os.path.join(root, name))]
     for run in stale:
-        if os.path.isdir(folder := os.path.join(root, run)):
-            remove_tree(folder)
-        os.unlink(os.path.join(root, run + ".lock"))
+        try:   # another process starting now (a torchrun rank) may be removing the same run
+            if os.path.isdir(folder := os.path.join(root, run)):
+                remove_tree(folder)
+            os.unlink(os.path.join(root, run + ".lock"))
+        except FileNotFoundError:
+            pass
     return stale
 
 

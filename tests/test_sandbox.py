@@ -25,7 +25,8 @@ import pytest
 from conftest import bwrap_isolates
 from env import MAX_COMMAND_BYTES, SUBMIT_SENTINEL, CommandResult, format_observation, is_submission, parse_action
 from sandbox import (DOCKER_CAPS, ROOT_LABEL, RUN_ID, RUN_LABEL, DiffError, DockerSandbox, Limits, LocalSandbox,
-                     SandboxError, docker_available, docker_run_flags, run_dir, sandboxes_root)
+                     SandboxError, docker_available, docker_run_flags, remove_stale_sandboxes, run_dir,
+                     sandboxes_root)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -517,6 +518,21 @@ def test_sandboxes_of_a_killed_run_are_removed_at_the_next_start(tmp_path, repo,
         assert sorted(os.listdir(root)) == sorted([RUN_ID, RUN_ID + ".lock", "live-run", "live-run.lock"])
     finally:
         live_lock.close()
+
+
+def test_two_ranks_removing_the_same_stale_run_do_not_fail(tmp_path, monkeypatch):
+    """torchrun starts every rank at once; each removes the runs that are gone. The one that
+    finds a folder already gone (the other rank was first) carries on."""
+    root = tmp_path / "sandboxes"
+    (root / "gone-run" / "sandbox-x").mkdir(parents=True)
+    (root / "gone-run.lock").touch()
+
+    def other_rank_was_first(path):
+        shutil.rmtree(path)
+        os.unlink(root / "gone-run.lock")
+        raise FileNotFoundError(path)
+    monkeypatch.setattr("sandbox.remove_tree", other_rank_was_first)
+    assert remove_stale_sandboxes(str(root)) == ["gone-run"] and os.listdir(root) == []
 
 
 def test_a_killed_trainer_leaves_its_sandbox_for_the_next_start(tmp_path, repo, sandbox_kwargs):
