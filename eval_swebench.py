@@ -1,7 +1,9 @@
 r"""SWE-bench Verified evaluation with context compaction, graded by the official harness (SPEC §6).
 
     python eval_swebench.py                    # anywhere: embedded tiny model, built-in tasks, local grading
-    python eval_swebench.py --mode docker --model runs/swe/hf --engine vllm --kv-cache-gib 40 \
+    python eval_swebench.py --mode docker --dataset tasks/swe/tasks.jsonl
+                                               # the built-in tasks in their images (tasks/swe/build_images.py)
+    python eval_swebench.py --mode docker --pull-images --model runs/swe/hf --engine vllm --kv-cache-gib 40 \
         --n-instances 200 --runs 2 --max-compactions 0 3 --max-turns 250 --temperature 1.0 \
         --context-budget 81920 --reserve 10240 --max-action-tokens 10240 --max-summary-tokens 10240
                                                # the paper's protocol (C = 65536 for the 30B model)

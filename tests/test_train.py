@@ -291,7 +291,7 @@ def test_swe_training_runs_in_docker_end_to_end(tmp_path):
     require_docker_images([r["image"] for r in load_tasks()])
     out = str(tmp_path / "run")
     run(["train.py", "--task", "swe", "--sandbox", "docker", "--steps", "2", "--rollouts-per-step", "4",
-         "--out-dir", out])
+         "--max-turns", "2", "--out-dir", out])
     recs = metrics(out)
     assert [r["step"] for r in recs] == [0, 1] and "policy/approx_kl" in recs[1]
     assert all(r["end/env_error"] == 0 and r["rollout/trainable_tokens"] > 0 for r in recs)
