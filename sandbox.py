@@ -300,13 +300,22 @@ def _lock_is_free(path: str) -> bool:
 
 def remove_stale_sandboxes(root: str) -> list[str]:
     """Removes the sandbox folders of runs under `root` that no live process holds; returns their
-    run ids. A run holds an flock on `<root>/<run id>.lock` for as long as its process lives."""
-    stale = [name[:-len(".lock")] for name in os.listdir(root)
-             if name.endswith(".lock") and _lock_is_free(os.path.join(root, name))]
-    for run in stale:
-        if os.path.isdir(folder := os.path.join(root, run)):
-            remove_tree(folder)
-        os.unlink(os.path.join(root, run + ".lock"))
+    run ids. A run holds an flock on `<root>/<run id>.lock` for as long as its process lives. The
+    remover holds a stale run's lock while it removes the run, so processes that start together
+    (the ranks of one job) never remove the same folder at once: the others skip it."""
+    stale = []
+    for name in sorted(n for n in os.listdir(root) if n.endswith(".lock")):
+        try:
+            with open(os.path.join(root, name)) as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.fstat(lock.fileno()).st_nlink == 0:   # another process removed the run meanwhile
+                    continue
+                if os.path.isdir(folder := os.path.join(root, name[:-len(".lock")])):
+                    remove_tree(folder)
+                os.unlink(os.path.join(root, name))   # still held: the run is gone only when its lock is
+        except (BlockingIOError, FileNotFoundError):   # a live run, or one removed before we looked
+            continue
+        stale.append(name[:-len(".lock")])
     return stale
 
 
@@ -317,8 +326,11 @@ def run_dir(root: str) -> str:
             os.makedirs(root, mode=0o700, exist_ok=True)
             if removed := remove_stale_sandboxes(root):
                 logger.warning("removed the sandboxes of %d runs that are gone: %s", len(removed), removed)
-            lock = open(os.path.join(root, RUN_ID + ".lock"), "w")   # held open for the process's life
+            # held open for the process's life; locked before it takes its name, so no other process's
+            # clean-up ever finds it free
+            lock = open(os.path.join(root, RUN_ID + ".lock-new"), "w")
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(lock.name, os.path.join(root, RUN_ID + ".lock"))
             os.makedirs(os.path.join(root, RUN_ID), exist_ok=True)
             _run_dirs[root] = lock
     return os.path.join(root, RUN_ID)

@@ -524,6 +524,27 @@ def test_sandboxes_of_a_killed_run_are_removed_at_the_next_start(tmp_path, repo,
         live_lock.close()
 
 
+def test_processes_starting_together_clean_up_stale_runs_without_tripping_on_each_other(tmp_path):
+    """The ranks of one job start their first sandboxes at the same moment, each removing the runs
+    a killed job left: every process starts, and every stale run is removed exactly once."""
+    root = str(tmp_path / "sandboxes")
+    for i in range(40):
+        os.makedirs(os.path.join(root, f"gone-{i}", "sandbox-x", "repo", "pkg"))
+        open(os.path.join(root, f"gone-{i}.lock"), "w").close()
+    go = tmp_path / "go"
+    script = (f"import os, sys, time; sys.path.insert(0, {ROOT!r}); import sandbox\n"
+              f"while not os.path.exists({str(go)!r}): time.sleep(0.001)\n"
+              f"sandbox.run_dir({root!r})\n")
+    children = [subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+                for _ in range(4)]
+    time.sleep(1.0)   # every child imported and waits
+    go.touch()
+    errors = [child.communicate(timeout=60)[1] for child in children]
+    assert [child.returncode for child in children] == [0] * 4, errors
+    assert not [name for name in os.listdir(root) if name.startswith("gone-")]
+    assert sum(err.count("gone-") for err in errors) == 40, errors   # each removal logged once
+
+
 def test_a_killed_trainer_leaves_its_sandbox_for_the_next_start(tmp_path, repo, sandbox_kwargs):
     """A real kill -9 of a process that made a sandbox; a later start removes what it left."""
     root = str(tmp_path / "sandboxes")
