@@ -1,12 +1,17 @@
 """Every knob of train.py in one dataclass (the CLI is generated from it by tyro), each with its
-paper value where the paper states one, and `finalize`, which checks the derived sizes once."""
-from dataclasses import dataclass
+paper value where the paper states one; the presets (`PRESETS`), whose values every flag
+overrides; and `finalize`, which checks the derived sizes once."""
+import sys
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 
 @dataclass
 class Config:
     # --- model and task -------------------------------------------------------------------
+    preset: Literal["memory", "swe", "swe-paper"] = "memory"
+    """The defaults the other flags override (`PRESETS`, listed by --help). Given only --task swe,
+    the preset is swe."""
     model: str = ""
     """Policy checkpoint: Hugging Face id or local path. Empty = build the embedded tiny model."""
     tiny_hidden: int = 128
@@ -16,11 +21,26 @@ class Config:
     tiny_heads: int = 4
     """Embedded tiny model: attention heads (head_dim is 32, what vLLM's CPU backend accepts)."""
     task: Literal["memory", "swe"] = "memory"
-    """memory: the built-in CPU task (memory_task.py); swe: SWE task rows from `tasks_path`."""
-    tasks_path: str = "tasks/swe/tasks.jsonl"
-    """SWE task rows (swebench-5 schema, JSON/JSONL) for --task swe."""
+    """memory: the built-in CPU task (memory_task.py); swe: SWE task rows from `tasks`."""
+    tasks: str = ""
+    """--task swe: the task rows (swe_task.load_tasks, as eval_swebench.py reads them): a Hugging Face
+    dataset id or folder (e.g. SWE-bench/SWE-bench_Verified) or a .jsonl/.json/.parquet file in
+    SWE-bench's schema. Empty = the built-in tasks (tasks/swe/tasks.jsonl)."""
+    tasks_split: str = "test"
+    """Split of a Hugging Face dataset in `tasks`."""
     sandbox: Literal["local", "docker"] = "local"
-    """Where SWE commands run: local (bubblewrap) or docker (official SWE-bench images)."""
+    """Where SWE commands run: local (bubblewrap, rows with a repo_dir, such as the built-in ones) or
+    docker (each row's image: SWE-bench's, or the built-in tasks' from tasks/swe/build_images.py)."""
+    command_timeout: float = 60.0
+    """Seconds one agent command may run (mini-swe-agent's SWE-bench setting). Paper: not stated."""
+    eval_timeout: float = 1800.0
+    """Seconds the reward's tests may run: the official harness's --timeout default. Paper: not stated."""
+    env_workers: int = 8
+    """Threads per rank that start, step, grade and remove sandboxes: containers of different
+    episodes start and go concurrently."""
+    pull_images: bool = False
+    """--sandbox docker: pull the task images that are not present before training starts. Off: a
+    missing image stops the run at start, named."""
     allow_unisolated: bool = False
     """Run local agent commands as plain processes when bubblewrap cannot isolate them. Off: such a
     run stops before loading any model, naming the fix (`apt-get install bubblewrap`)."""
@@ -171,6 +191,63 @@ class Config:
     """Also log to Weights & Biases (needs `pip install wandb`)."""
 
 
+PRESETS = {
+    "memory": ("the default run: the built-in memory task on CPU (README, 'What the default run learns')",
+               Config()),
+    "swe": ("the built-in SWE tasks on CPU with the tiny model: a window that holds an issue with room "
+            "for actions of up to 512 tokens (a whole patch); no warm-up",
+            Config(preset="swe", task="swe", context_budget=2048, reserve=512, max_action_tokens=512,
+                   max_summary_tokens=256, max_observation_tokens=512, max_turns=8, steps=20,
+                   rollouts_per_step=8, mini_batches=2, value_pretrain_steps=1, warmup_steps=0)),
+    "swe-paper": ("the paper's SWE settings (Docker sandboxes, C 65536, T_comp 10240, K 3, 128 rollouts, "
+                  "lrs 2e-6/3e-6, 2 critic updates, 50 value pre-training steps); give --model and --tasks",
+                  Config(preset="swe-paper", task="swe", sandbox="docker", context_budget=65536,
+                         reserve=10240, max_action_tokens=10240, max_summary_tokens=10240, max_compactions=3,
+                         max_turns=250, rollouts_per_step=128, group_size=1, mini_batches=1, ppo_epochs=1,
+                         actor_lr=2e-6, critic_lr=3e-6, critic_updates=2, value_pretrain_steps=50,
+                         warmup_steps=0, entropy_coef=0.0, kl_coef=0.0, activation_checkpointing=True,
+                         kv_cache_gib=20.0)),
+}
+"""name: (what it is for, its Config). Flags given with a preset override its values."""
+
+
+def preset_help():
+    """The presets and how each differs from the memory defaults, for --help."""
+    base, lines = PRESETS["memory"][1], ["Presets (--preset NAME; --task swe alone means --preset swe):"]
+    for name, (what, cfg) in PRESETS.items():
+        changed = [flag_text(f.name, getattr(cfg, f.name)) for f in fields(Config)
+                   if f.name != "preset" and getattr(cfg, f.name) != getattr(base, f.name)]
+        lines.append(f"  {name}: {what}." + (f" Sets {' '.join(changed)}." if changed else ""))
+    return "\n".join(lines)
+
+
+def flag_text(name, value):
+    flag = name.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{flag}" if value else f"--no-{flag}"
+    return f"--{flag} {value}"
+
+
+def flag_value(argv, flag):
+    """The value given to `flag` in argv (`--flag value` or `--flag=value`), or None."""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def parse_config(argv=None):
+    """The Config of a command line: the preset's values (--preset, or swe for --task swe alone),
+    overridden by every flag given."""
+    import tyro
+    argv = sys.argv[1:] if argv is None else list(argv)
+    name = flag_value(argv, "--preset") or ("swe" if flag_value(argv, "--task") == "swe" else "memory")
+    default = PRESETS.get(name, PRESETS["memory"])[1]   # an unknown name: tyro names the choices
+    return tyro.cli(Config, args=argv, default=replace(default), description=preset_help())
+
+
 def finalize(cfg, world):
     """Derived sizes, checked once. Returns rollouts per rank."""
     assert cfg.rollouts_per_step % world == 0, \
@@ -180,6 +257,13 @@ def finalize(cfg, world):
         f"rollouts per rank ({per_rank}) must be a multiple of group_size ({cfg.group_size}): groups stay on one rank"
     assert cfg.estimator != "G" or cfg.group_size > 1, "estimator G needs group_size > 1"
     assert cfg.reserve >= cfg.max_action_tokens, "reserve must be >= max_action_tokens (eq. 7: a response always fits)"
-    assert cfg.warmup_steps == 0 or cfg.task == "memory", "the warm-up exists for the memory task only"
+    assert cfg.task == PRESETS[cfg.preset][1].task, \
+        f"--preset {cfg.preset} is for --task {PRESETS[cfg.preset][1].task}, not --task {cfg.task}"
+    assert cfg.warmup_steps == 0 or cfg.task == "memory", \
+        "the warm-up exists for the memory task only: --task swe needs --warmup-steps 0 (as --preset swe sets)"
+    assert cfg.model or cfg.preset != "swe-paper", \
+        "--preset swe-paper trains a real policy: give --model (a Hugging Face id or local checkpoint)"
+    assert cfg.env_workers >= 1 and cfg.command_timeout > 0 and cfg.eval_timeout > 0, \
+        "env_workers, command_timeout and eval_timeout must be positive"
     assert not (cfg.resume and cfg.overwrite), "--resume continues the run in out_dir, --overwrite replaces it"
     return per_rank

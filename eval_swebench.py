@@ -1,7 +1,9 @@
 r"""SWE-bench Verified evaluation with context compaction, graded by the official harness (SPEC §6).
 
     python eval_swebench.py                    # anywhere: embedded tiny model, built-in tasks, local grading
-    python eval_swebench.py --mode docker --model runs/swe/hf --engine vllm --kv-cache-gib 40 \
+    python eval_swebench.py --mode docker --dataset tasks/swe/tasks.jsonl
+                                               # the built-in tasks in their images (tasks/swe/build_images.py)
+    python eval_swebench.py --mode docker --pull-images --model runs/swe/hf --engine vllm --kv-cache-gib 40 \
         --n-instances 200 --runs 2 --max-compactions 0 3 --max-turns 250 --temperature 1.0 \
         --context-budget 81920 --reserve 10240 --max-action-tokens 10240 --max-summary-tokens 10240
                                                # the paper's protocol (C = 65536 for the 30B model)
@@ -18,7 +20,8 @@ each run r, in <out_dir>/K<K>/run<r>/:
      interrupted evaluation, run again with the same arguments, skips the instances it holds.
   3. Grading. local: swe_task.grade in-process (the patch applied to a fresh sandbox, the row's
      official eval script, swebench's get_eval_report: the harness's rules). docker:
-     `python -m swebench.harness.run_evaluation` on preds.jsonl, then its run report JSON.
+     `python -m swebench.harness.run_evaluation` on preds.jsonl and the evaluated rows
+     (instances.jsonl), then its run report JSON.
   4. The table: Pass@1 per run and their mean, ×1 vs ×K, compactions, turns, sampled tokens,
      peak context, and how episodes ended. summary.json in <out_dir> holds the same numbers.
 
@@ -56,10 +59,9 @@ import swe_task
 from model import ChatCodec, build_tiny_model, load_tokenizer
 from rollout import RolloutConfig, format_episode, make_engine, run_episodes
 from rundir import ensure_tiny_model
-from sandbox import DiffError, check_isolation, docker_available
+from sandbox import DiffError, check_docker_images, check_isolation
 
 VERIFIED = "SWE-bench/SWE-bench_Verified"
-SWEBENCH5_COLUMNS = ("image", "eval_script", "log_parser", "eval_type")   # rows carry these since swebench 5
 PREDICTION_KEYS = ("instance_id", "model_name_or_path", "model_patch")
 TINY_MODEL_NAME = "compactionrl-tiny"
 
@@ -82,11 +84,12 @@ class Config:
     evaluation alone can give it most of the GPU (it must hold at least one max_model_len context)."""
     # --- instances ------------------------------------------------------------------------------
     mode: Literal["local", "docker"] = "local"
-    """local: rows whose image is "local" (the built-in tasks), bubblewrap sandboxes, graded in-process;
-    docker: the official images, graded by the official harness."""
+    """local: rows with a repo_dir (the built-in tasks), bubblewrap sandboxes, graded in-process
+    (swe_task.grade, as training grades); docker: each row's image, graded by the official harness."""
     dataset: str = ""
-    """HF dataset id or .json/.jsonl/.parquet file of swebench-5 rows.
-    Empty = tasks/swe/tasks.jsonl (local) or SWE-bench/SWE-bench_Verified (docker)."""
+    """Task rows (swe_task.load_tasks): a Hugging Face dataset id or folder, or a .json/.jsonl/.parquet
+    file, in SWE-bench's schema. Empty = tasks/swe/tasks.jsonl (local) or SWE-bench/SWE-bench_Verified
+    (docker). The built-in tasks run in docker mode too, once tasks/swe/build_images.py built their images."""
     split: str = "test"
     """Dataset split (HF datasets)."""
     instance_ids: tuple[str, ...] = ()
@@ -129,6 +132,9 @@ class Config:
     """Wall-clock seconds per episode (0 = no limit). Paper: not stated."""
     eval_timeout: int = 1800
     """Seconds for one instance's tests: the harness's --timeout (its default), and local grading's."""
+    pull_images: bool = False
+    """--mode docker: pull the images that are not present before the evaluation starts. Off: a missing
+    image stops it at start, named."""
     allow_unisolated: bool = False
     """--mode local: run agent commands as plain processes when bubblewrap cannot isolate them. Off:
     the evaluation stops before loading the model, naming the fix (`apt-get install bubblewrap`)."""
@@ -155,34 +161,11 @@ def check_config(cfg):
 # ---------------------------------------------------------------- instances
 
 def load_instances(dataset, split, mode):
-    """The dataset's rows, read with swebench's own loader (so we check exactly what the harness
-    will read), checked for the swebench-5 columns, validated (swe_task.validate_row), and
-    checked against `mode`."""
-    from swebench.harness.utils import load_swebench_dataset
-    raw = load_swebench_dataset(dataset, split)
-    if not raw:
-        raise ValueError(f"dataset {dataset} (split {split!r}) has no rows")
-    lacking = {c: sum(c not in row for row in raw) for c in SWEBENCH5_COLUMNS}
-    if missing := [c for c, n in lacking.items() if n]:
-        counts = ", ".join(f"{c} (absent from {lacking[c]} of {len(raw)} rows)" for c in missing)
-        raise ValueError(
-            f"dataset {dataset} (split {split!r}) lacks columns that swebench 5 needs: {counts}. swebench 5 no "
-            f"longer builds eval scripts or image names; every row must carry {', '.join(SWEBENCH5_COLUMNS)}. "
-            f"Fix: use a dataset republished for swebench 5 ({VERIFIED} from the SWE-bench maintainers, not a "
-            "princeton-nlp/... copy), or pin swebench==4.1.0 for the harness (in a separate environment: "
-            "this project's grader imports swebench 5).")
-    if dataset.endswith((".json", ".jsonl", ".parquet")):
-        rows = swe_task.load_tasks(dataset)   # validates, and resolves local rows' repo_dir
-    else:
-        rows = [swe_task.validate_row(row, i) for i, row in enumerate(raw)]
-    local = [r["instance_id"] for r in rows if r["image"] == swe_task.LOCAL_IMAGE]
-    if mode == "local" and len(local) < len(rows):
-        other = [r["instance_id"] for r in rows if r["image"] != swe_task.LOCAL_IMAGE]
-        raise ValueError(f"--mode local runs rows whose image is {swe_task.LOCAL_IMAGE!r}, but {len(other)} "
-                         f"rows of {dataset} name a container image (e.g. {other[0]}): use --mode docker")
-    if mode == "docker" and local:
-        raise ValueError(f"--mode docker needs container images, but {len(local)} rows of {dataset} have "
-                         f"image {swe_task.LOCAL_IMAGE!r} (e.g. {local[0]}): use --mode local")
+    """The dataset's rows, read and validated as training reads them (swe_task.load_tasks), and
+    checked against `mode`: local mode copies each row's repo_dir."""
+    rows = swe_task.load_tasks(dataset, split)
+    if mode == "local":
+        swe_task.check_local_rows(rows, dataset)
     return rows
 
 
@@ -383,13 +366,24 @@ def read_harness_report(path, instance_ids):
     return {iid: outcome.get(iid, "incomplete") for iid in instance_ids}
 
 
-def run_harness(dataset, split, run_dir, model_name, instance_ids, max_workers, timeout):
-    """Grades run_dir/preds.jsonl with the official harness, run in run_dir (its logs/ go there)."""
+def write_instances(path, rows):
+    """The rows to grade, as the JSON lines the harness reads with -d (values JSON cannot hold,
+    such as a parquet row's timestamps, as text)."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row, default=str) + "\n" for row in rows)
+    return path
+
+
+def run_harness(rows, run_dir, model_name, max_workers, timeout):
+    """Grades run_dir/preds.jsonl with the official harness, run in run_dir (its logs/ go there),
+    on `rows` written to run_dir/instances.jsonl: the harness grades exactly the rows the agent
+    ran on (with their derived image names) and reads no dataset again."""
     run_dir = os.path.abspath(run_dir)
     preds = os.path.join(run_dir, "preds.jsonl")
     run_id = harness_run_id(run_dir, preds)
-    dataset = os.path.abspath(dataset) if os.path.exists(dataset) else dataset   # the harness runs in run_dir
-    argv = harness_command(dataset, split, preds, run_id, instance_ids, max_workers, timeout, run_dir)
+    instances = write_instances(os.path.join(run_dir, "instances.jsonl"), rows)
+    ids = [r["instance_id"] for r in rows]
+    argv = harness_command(instances, "test", preds, run_id, ids, max_workers, timeout, run_dir)
     log_path = os.path.join(run_dir, "harness.log")
     print(f"grading with the official harness (output: {log_path}):\n  {shlex.join(argv)[:400]}")
     with open(log_path, "w", encoding="utf-8") as log:
@@ -401,7 +395,7 @@ def run_harness(dataset, split, run_dir, model_name, instance_ids, max_workers, 
         raise RuntimeError(f"the SWE-bench harness failed (exit code {code}, report {path} "
                            f"{'present' if os.path.exists(path) else 'missing'}); its output, in {log_path}, "
                            f"ends:\n{tail}")
-    return read_harness_report(path, instance_ids)
+    return read_harness_report(path, ids)
 
 
 # ---------------------------------------------------------------- results
@@ -481,8 +475,8 @@ def main(cfg, engine=None, tokenizer=None):
     rows = load_instances(dataset, cfg.split, cfg.mode)
     rows = select_instances(rows, cfg.instance_ids, cfg.n_instances, cfg.subset_seed, dataset)
     ids = [r["instance_id"] for r in rows]
-    if cfg.mode == "docker" and not docker_available():
-        raise RuntimeError("--mode docker needs a Docker daemon, and `docker info` got no answer")
+    if cfg.mode == "docker":   # a daemon, and every image here: nothing is pulled mid-evaluation
+        check_docker_images(sorted({r["image"] for r in rows}), pull=cfg.pull_images)
     local = cfg.mode == "local"
     if local and not cfg.allow_unisolated:
         check_isolation()
@@ -490,6 +484,7 @@ def main(cfg, engine=None, tokenizer=None):
     if engine is None:
         engine, tokenizer = load_model(cfg)
     codec = ChatCodec(tokenizer)
+    swe_task.check_prompts_fit(rows, codec, cfg.context_budget, cfg.reserve, cfg.command_timeout)
     make_sandbox = swe_task.local_sandbox_factory(isolated=not cfg.allow_unisolated) if local else \
         swe_task.docker_sandbox_factory()
     results = {}
@@ -512,8 +507,7 @@ def main(cfg, engine=None, tokenizer=None):
                 preds = read_predictions(os.path.join(run_dir, "preds.jsonl"), model_name)
                 outcomes = local_outcomes(records, preds, ids)
             else:
-                outcomes = run_harness(dataset, cfg.split, run_dir, model_name, ids, cfg.harness_workers,
-                                       cfg.eval_timeout)
+                outcomes = run_harness(rows, run_dir, model_name, cfg.harness_workers, cfg.eval_timeout)
             results[k].append(run_stats(records, outcomes))
     with open(os.path.join(cfg.out_dir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump({"config": asdict(cfg), "model_name": model_name, "dataset": dataset,

@@ -191,12 +191,20 @@ def merge_sums(acc, sums):
 
 
 def reduce_sums(per_minibatch):
-    """Add metric sums over mini-batches, then over ranks (max/min for the extrema)."""
+    """Add metric sums over mini-batches, then over ranks (max/min for the extrema). A rank whose
+    batch held no token (every episode failed) has no keys: the ranks first agree on the union,
+    so every rank makes the same all-reduces, and its missing values count as nothing."""
     acc = {}
     for sums in per_minibatch:
         merge_sums(acc, sums)
+    keys = sorted(acc)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, keys)
+        keys = sorted(set().union(*every))
     out = {}
-    for k in sorted(acc):  # same order on every rank
-        op = dist.ReduceOp.MAX if k.endswith("_max") else dist.ReduceOp.MIN if k.endswith("_min") else dist.ReduceOp.SUM
-        out[k] = float(fsdp.all_reduce(acc[k], op))
+    for k in keys:  # same order on every rank
+        op, empty = (dist.ReduceOp.MAX, -math.inf) if k.endswith("_max") else \
+            (dist.ReduceOp.MIN, math.inf) if k.endswith("_min") else (dist.ReduceOp.SUM, 0.0)
+        out[k] = float(fsdp.all_reduce(acc.get(k, empty), op))
     return out

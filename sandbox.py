@@ -268,7 +268,9 @@ QUIET_ENV = {"PAGER": "cat", "GIT_PAGER": "cat", "MANPAGER": "cat",   # never wa
 
 def sandbox_env(home: str) -> dict[str, str]:
     """The whole environment of a local command: nothing of ours leaks (proxies, tokens, keys)."""
-    python_bin = os.path.dirname(sys.executable)   # our venv's python, so `python -m pytest` works
+    # our venv's python, so `python -m pytest` works; by its real path, the one the sandbox binds (a
+    # venv reached through a symlink is bound where the link points)
+    python_bin = os.path.join(os.path.realpath(sys.prefix), "bin")
     return {"PATH": f"{python_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "HOME": home, "LANG": "C.UTF-8", "TMPDIR": "/tmp", "TERM": "dumb", **QUIET_ENV}
 
@@ -298,16 +300,22 @@ def _lock_is_free(path: str) -> bool:
 
 def remove_stale_sandboxes(root: str) -> list[str]:
     """Removes the sandbox folders of runs under `root` that no live process holds; returns their
-    run ids. A run holds an flock on `<root>/<run id>.lock` for as long as its process lives."""
-    stale = [name[:-len(".lock")] for name in os.listdir(root)
-             if name.endswith(".lock") and _lock_is_free(os.path.join(root, name))]
-    for run in stale:
-        try:   # another process starting now (a torchrun rank) may be removing the same run
-            if os.path.isdir(folder := os.path.join(root, run)):
-                remove_tree(folder)
-            os.unlink(os.path.join(root, run + ".lock"))
-        except FileNotFoundError:
-            pass
+    run ids. A run holds an flock on `<root>/<run id>.lock` for as long as its process lives. The
+    remover holds a stale run's lock while it removes the run, so processes that start together
+    (the ranks of one job) never remove the same folder at once: the others skip it."""
+    stale = []
+    for name in sorted(n for n in os.listdir(root) if n.endswith(".lock")):
+        try:
+            with open(os.path.join(root, name)) as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if os.fstat(lock.fileno()).st_nlink == 0:   # another process removed the run meanwhile
+                    continue
+                if os.path.isdir(folder := os.path.join(root, name[:-len(".lock")])):
+                    remove_tree(folder)
+                os.unlink(os.path.join(root, name))   # still held: the run is gone only when its lock is
+        except (BlockingIOError, FileNotFoundError):   # a live run, or one removed before we looked
+            continue
+        stale.append(name[:-len(".lock")])
     return stale
 
 
@@ -318,8 +326,11 @@ def run_dir(root: str) -> str:
             os.makedirs(root, mode=0o700, exist_ok=True)
             if removed := remove_stale_sandboxes(root):
                 logger.warning("removed the sandboxes of %d runs that are gone: %s", len(removed), removed)
-            lock = open(os.path.join(root, RUN_ID + ".lock"), "w")   # held open for the process's life
+            # held open for the process's life; locked before it takes its name, so no other process's
+            # clean-up ever finds it free
+            lock = open(os.path.join(root, RUN_ID + ".lock-new"), "w")
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(lock.name, os.path.join(root, RUN_ID + ".lock"))
             os.makedirs(os.path.join(root, RUN_ID), exist_ok=True)
             _run_dirs[root] = lock
     return os.path.join(root, RUN_ID)
@@ -582,6 +593,26 @@ def docker_available(docker: str = "docker", timeout: float = 20.0) -> bool:
         return False
 
 
+def check_docker_images(images: list[str], docker: str = "docker", pull: bool = False) -> None:
+    """Entry points call it before loading any model: a daemon must answer, and every image must
+    be present, or, with `pull`, is pulled now (else `docker run` would pull it in the middle of a
+    run, once per episode, and a failed pull would end episodes as env_error). SandboxError naming
+    the missing images and how to get them."""
+    if not docker_available(docker):
+        raise SandboxError(f"the Docker sandbox needs a Docker daemon, and `{docker} info` got no answer "
+                           "(start one: dockerd, or systemctl start docker)")
+    held = set(_docker(docker, "images", "--format", "{{.Repository}}:{{.Tag}}").split())
+    missing = [image for image in images
+               if (image if ":" in image.rsplit("/", 1)[-1] else f"{image}:latest") not in held]
+    for image in missing if pull else []:
+        logger.warning("pulling %s", image)
+        _docker(docker, "pull", "-q", image, timeout=3600.0)
+    if missing and not pull:
+        raise SandboxError(f"{len(missing)} of {len(images)} task images are not present locally (e.g. "
+                           f"{missing[0]}): build them (the built-in tasks: python -m tasks.swe.build_images), "
+                           f"pull them (docker pull {missing[0]}), or pass --pull-images")
+
+
 def _docker_call(docker: str, *args: str, timeout: float = 600.0) -> subprocess.CompletedProcess:
     """Runs the docker CLI; SandboxError, with its stderr, when it is missing, hangs or fails."""
     try:
@@ -616,6 +647,7 @@ def remove_stale_containers(docker: str = "docker", root: str | None = None) -> 
 
 
 _docker_cleaned: set[tuple[str, str]] = set()   # (docker CLI, root) whose stale containers this process removed
+_docker_cleaned_lock = threading.Lock()          # sandboxes start in threads: one clean-up, the others wait
 _docker_warned: set[str] = set()                 # daemon warnings already logged
 
 
@@ -677,10 +709,11 @@ class DockerSandbox(Sandbox):
         self.env = {"BASH_ENV": "/root/.bashrc", **QUIET_ENV, **(env or {})}
         root = root or sandboxes_root()
         run_dir(root)   # holds this run's lock, so later runs see its containers as live
-        if (docker, root) not in _docker_cleaned:
-            if removed := remove_stale_containers(docker, root):
-                logger.warning("removed %d containers of runs that are gone", len(removed))
-            _docker_cleaned.add((docker, root))
+        with _docker_cleaned_lock:
+            if (docker, root) not in _docker_cleaned:
+                if removed := remove_stale_containers(docker, root):
+                    logger.warning("removed %d containers of runs that are gone", len(removed))
+                _docker_cleaned.add((docker, root))
         flags = docker_run_flags(limits, network, root)
         try:
             started = _docker_call(docker, "run", "-d", "--rm", "-w", workdir, *flags, image, "sleep", str(ttl_s))

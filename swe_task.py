@@ -1,22 +1,31 @@
-"""SWE tasks: swebench-5 rows, the agent's environment, and grading with swebench's own code.
+"""SWE tasks: SWE-bench rows, the agent's environment, and grading with swebench's own code.
 
-A task is one row in the swebench-5 schema (`REQUIRED_FIELDS`): the official SWE-bench Verified
-rows and our built-in toy tasks (tasks/swe/, built by tasks/swe/build_tasks.py) are the same
-shape. Built-in rows have `image == "local"` and a `repo_dir` (relative to the tasks file) that
-plays the role of the image: a `LocalSandbox` copies it; official rows run in a `DockerSandbox`.
+A task is one row in the SWE-bench schema as swebench 5 reads it (`REQUIRED_FIELDS`): SWE-bench
+Verified's rows (its own columns: instance_id, repo, base_commit, problem_statement, patch,
+test_patch, FAIL_TO_PASS, PASS_TO_PASS, version, and swebench 5's eval_script, log_parser,
+eval_type, image), from a local .jsonl/.json/.parquet file or a Hugging Face dataset, and our
+built-in toy tasks (tasks/swe/, built by tasks/swe/build_tasks.py) are the same shape
+(`load_tasks`). A row without an image gets the name the harness derives (`image_name`).
+A row runs in a `DockerSandbox` of its image, or, when it has a `repo_dir` (relative to the
+tasks file; the built-in rows do), in a `LocalSandbox` copy of that folder.
 
-Episode: `reset()` -> system + user messages; `step(action)` runs one fenced command
-(env.parse_action) in the sandbox; the sentinel ends it; `reward()` grades the sandbox's diff.
+Episode: `reset()` -> system + user messages (`task_messages`); `step(action)` runs one fenced
+command (env.parse_action) in the sandbox; the sentinel ends it; `reward()` grades the diff.
 
-Grading (`grade`) follows the official harness (swebench.harness.run_evaluation.run_instance)
-minus its logging, caching and containers-by-run-id: the patch, taken from the sandbox with git
-and never from the model's text, is applied to a FRESH sandbox of the base repository with the
-harness's fallback chain; the eval script of `make_test_spec(row)` (so the exit-code recording
-and markers are the official ones) runs there; swebench's `get_eval_report` grades the log.
+Grading (`grade`), shared by training and evaluation's local mode, follows the official harness
+(swebench.harness.run_evaluation.run_instance) minus its logging, caching and
+containers-by-run-id: the patch, taken from the sandbox with git and never from the model's
+text, is applied to a FRESH sandbox of the base repository with the harness's own fallback chain
+(GIT_APPLY_CMDS); the eval script of `make_test_spec(row)` (the row's test command, with the
+harness's exit-code recording and markers) runs there under the harness's timeout
+(HARNESS_TIMEOUT unless set); swebench's `get_eval_report` grades the log with the row's parser.
 Reward 1 only when every FAIL_TO_PASS and PASS_TO_PASS test passes. Departures: an empty patch
 is not run (as in the harness) but graded unresolved here rather than skipped; the harness's
-final "already applied?" check is dropped (a patch from a clean base cannot be); a local row's
-eval script has no `cd /testbed` and runs in the sandbox's working copy.
+final "already applied?" check is dropped (a patch from a clean base cannot be); a tree is reset
+between apply attempts with `git reset --hard` (the harness: `git checkout -- .`, which leaves
+the index as a failed --3way left it); the eval script runs in the sandbox's working folder (a
+container's /testbed; a LocalSandbox's copy) and a DockerSandbox keeps its limits (the harness's
+containers have none, and add CAP_SYS_ADMIN, which only browser-sandbox tests need).
 """
 from __future__ import annotations
 
@@ -32,7 +41,9 @@ from swebench.harness.constants import (APPLY_PATCH_FAIL, END_TEST_OUTPUT, START
                                         EvalType)
 from swebench.harness.grading import get_eval_report
 from swebench.harness.log_parsers import PARSER_REGISTRY
-from swebench.harness.utils import make_test_spec
+from swebench.harness.run_evaluation import GIT_APPLY_CMDS
+from swebench.harness.utils import load_swebench_dataset, make_test_spec
+from swebench.image_builder.image_spec import ImageSpec
 
 from env import SUBMIT_SENTINEL, Step, format_observation, is_submission, parse_action
 from sandbox import DiffError, DockerSandbox, LocalSandbox, Sandbox, SandboxError
@@ -42,23 +53,29 @@ logger = logging.getLogger(__name__)
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
 BUILTIN_TASKS_DIR = os.path.join(PROJECT_DIR, "tasks", "swe")
 BUILTIN_TASKS_FILE = os.path.join(BUILTIN_TASKS_DIR, "tasks.jsonl")
-LOCAL_IMAGE = "local"   # `image` of rows that run in a LocalSandbox of `repo_dir`, not in a container
 REQUIRED_FIELDS = {
     "instance_id": str, "repo": str, "base_commit": str, "problem_statement": str, "patch": str,
     "test_patch": str, "FAIL_TO_PASS": list, "PASS_TO_PASS": list, "version": str, "image": str,
     "eval_script": str, "log_parser": str, "eval_type": str,
 }
-# The official harness's order (run_instance): strict first, then 3-way, reject, and fuzzy `patch`.
-APPLY_COMMANDS = ("git apply --verbose", "git apply --verbose --3way", "git apply --verbose --reject",
-                  "patch --batch --forward --fuzz=5 -p1 -i")
+SWEBENCH5_COLUMNS = ("eval_script", "log_parser", "eval_type")   # rows carry these since swebench 5
+HARNESS_TIMEOUT = 1800   # seconds: the official harness's --timeout default, for one instance's tests
 EVAL_MAX_OUTPUT_BYTES = 16 * 1024 * 1024   # a test log, head and tail kept (the -rA summary is at the end)
 SandboxFactory = Callable[[dict], Sandbox]
 
 
 # ---------------------------------------------------------------- rows
 
+def image_name(instance_id: str, namespace: str | None = "swebench") -> str:
+    """The image swebench names for an instance (ImageSpec.name): published under `namespace`,
+    with `__` spelled `_1776_` as Docker Hub requires (swebench/sweb.eval.x86_64.<id>:latest), or,
+    with namespace None, as it names an image built locally (sweb.eval.x86_64.<id>:latest)."""
+    return ImageSpec(instance_id=instance_id, dockerfile="(not built here)", namespace=namespace).name
+
+
 def validate_row(row: dict, index: int) -> dict:
-    """Checks one row; returns a copy with FAIL_TO_PASS/PASS_TO_PASS as lists.
+    """Checks one row; returns a copy with FAIL_TO_PASS/PASS_TO_PASS as lists and, when the row
+    names no image, the published one (`image_name`).
 
     Raises ValueError naming the row (index, instance_id) and the field at fault.
     """
@@ -75,6 +92,8 @@ def validate_row(row: dict, index: int) -> dict:
                 row[field] = json.loads(row[field])
             except json.JSONDecodeError as e:
                 fail(field, f"is not valid JSON ({e})")
+    if not row.get("image") and isinstance(row.get("instance_id"), str):
+        row["image"] = image_name(row["instance_id"])
     for field, kind in REQUIRED_FIELDS.items():
         if field not in row:
             fail(field, "is missing")
@@ -89,78 +108,112 @@ def validate_row(row: dict, index: int) -> dict:
         fail("eval_type", f"is {row['eval_type']!r}, expected one of {[t.value for t in EvalType]}")
     if START_TEST_OUTPUT not in row["eval_script"] or END_TEST_OUTPUT not in row["eval_script"]:
         fail("eval_script", f"lacks the markers {START_TEST_OUTPUT!r} / {END_TEST_OUTPUT!r}")
-    if row["image"] == LOCAL_IMAGE and not isinstance(row.get("repo_dir"), str):
-        fail("repo_dir", f"is required (a folder, relative to the tasks file) when image is {LOCAL_IMAGE!r}")
+    if "repo_dir" in row and not isinstance(row["repo_dir"], str):
+        fail("repo_dir", f"must be a folder (relative to the tasks file), got {type(row['repo_dir']).__name__}")
     return row
 
 
-def load_tasks(path: str = BUILTIN_TASKS_FILE) -> list[dict]:
-    """Reads and validates rows from .jsonl, .json (a list) or .parquet (needs pandas).
+def is_file_source(source: str) -> bool:
+    return source.endswith((".jsonl", ".json", ".parquet"))
 
-    `repo_dir` of local rows is made absolute, relative to the file's folder. An empty file or a
-    line that is not JSON raises ValueError naming the file (and the line).
-    """
-    if path.endswith(".jsonl"):
+
+def read_rows(source: str, split: str = "test") -> list[dict]:
+    """The raw rows of a .jsonl, .json (a list) or .parquet file, or, for any other source, of a
+    Hugging Face dataset (an id such as SWE-bench/SWE-bench_Verified, a folder with <split>.parquet,
+    or a `save_to_disk` folder) read by swebench's own loader, as the harness reads it. A line
+    that is not JSON raises ValueError naming the file, line and column."""
+    if source.endswith(".jsonl"):
         rows = []
-        with open(path, encoding="utf-8") as f:
+        with open(source, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):  # 1-based, blank lines counted: what an editor shows
                 if not line.strip():
                     continue
                 try:
                     rows.append(json.loads(line.rstrip("\n")))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}, line {number}, column {e.colno}: not valid JSON ({e.msg})") from e
-    elif path.endswith(".json"):
-        with open(path, encoding="utf-8") as f:
+                    raise ValueError(f"{source}, line {number}, column {e.colno}: not valid JSON ({e.msg})") from e
+        return rows
+    if source.endswith(".json"):
+        with open(source, encoding="utf-8") as f:
             rows = json.load(f)
         if not isinstance(rows, list):
-            raise ValueError(f"{path}: expected a JSON list of task rows, got {type(rows).__name__}")
-    elif path.endswith(".parquet"):
+            raise ValueError(f"{source}: expected a JSON list of task rows, got {type(rows).__name__}")
+        return rows
+    if source.endswith(".parquet"):
         import pandas  # optional: only parquet needs it
-        rows = pandas.read_parquet(path).to_dict(orient="records")
+        rows = pandas.read_parquet(source).to_dict(orient="records")
         for row in rows:   # list columns come back as numpy arrays
             row.update({k: v.tolist() for k, v in row.items() if hasattr(v, "tolist")})
-    else:
-        raise ValueError(f"{path}: task files must be .jsonl, .json or .parquet")
+        return rows
+    return [dict(row) for row in load_swebench_dataset(source, split)]
+
+
+def check_columns(rows: list[dict], source: str, split: str) -> None:
+    """Rows without swebench 5's columns: one error for the whole dataset, naming the fix."""
+    lacking = {c: sum(c not in row for row in rows) for c in SWEBENCH5_COLUMNS}
+    if missing := [c for c, n in lacking.items() if n]:
+        counts = ", ".join(f"{c} (absent from {lacking[c]} of {len(rows)} rows)" for c in missing)
+        raise ValueError(
+            f"dataset {source} (split {split!r}) lacks columns that swebench 5 needs: {counts}. swebench 5 no "
+            f"longer builds eval scripts; every row must carry {', '.join(SWEBENCH5_COLUMNS)}. Fix: use a "
+            "dataset republished for swebench 5 (SWE-bench/SWE-bench_Verified from the SWE-bench maintainers, "
+            "not a princeton-nlp/... copy), or pin swebench==4.1.0 for the harness (in a separate environment: "
+            "this project's grader imports swebench 5).")
+
+
+def load_tasks(source: str = BUILTIN_TASKS_FILE, split: str = "test") -> list[dict]:
+    """Reads (`read_rows`) and validates the rows of `source`: what training and evaluation both
+    run on. `repo_dir` of file rows is made absolute, relative to the file's folder. An empty
+    source, a missing column, a bad row or a repeated instance_id raises ValueError naming it."""
+    rows = read_rows(source, split)
     if not rows:
-        raise ValueError(f"{path} holds no task rows")
+        raise ValueError(f"{source} holds no task rows")
+    check_columns(rows, source, split)
     rows = [validate_row(row, i) for i, row in enumerate(rows)]
     seen: dict[str, int] = {}
     for i, row in enumerate(rows):
         if (first := seen.setdefault(row["instance_id"], i)) != i:
-            raise ValueError(f"{path}: task rows {first} and {i} share instance_id {row['instance_id']!r}")
-        if row["image"] == LOCAL_IMAGE:
-            row["repo_dir"] = os.path.join(os.path.dirname(os.path.abspath(path)), row["repo_dir"])
+            raise ValueError(f"{source}: task rows {first} and {i} share instance_id {row['instance_id']!r}")
+        if "repo_dir" in row and is_file_source(source):
+            row["repo_dir"] = os.path.join(os.path.dirname(os.path.abspath(source)), row["repo_dir"])
             if not os.path.isdir(row["repo_dir"]):
                 raise ValueError(f"task row {i} (instance_id={row['instance_id']!r}): field 'repo_dir' "
                                  f"points to {row['repo_dir']}, which is not a folder")
     return rows
 
 
+def check_local_rows(rows: list[dict], source: str) -> None:
+    """A LocalSandbox copies a row's repo_dir: rows without one (SWE-bench's) need containers."""
+    if lacking := [r["instance_id"] for r in rows if "repo_dir" not in r]:
+        raise ValueError(f"{len(lacking)} rows of {source} (e.g. {lacking[0]}) have no repo_dir for a local "
+                         f"sandbox: they run in their Docker images (train.py --sandbox docker, "
+                         f"eval_swebench.py --mode docker)")
+
+
 # ---------------------------------------------------------------- sandboxes per row
 
 def local_sandbox_factory(**kwargs) -> SandboxFactory:
-    """Local rows: a LocalSandbox of `repo_dir` at `base_commit` (kwargs go to LocalSandbox). The
-    sandbox shows commands nothing of this project (its task files and git history hold the gold
-    patches) but our venv."""
+    """Rows with a repo_dir: a LocalSandbox of it at `base_commit` (kwargs go to LocalSandbox).
+    The sandbox shows commands nothing of this project (its task files and git history hold the
+    gold patches) but our venv."""
     def make(row: dict) -> Sandbox:
-        if row["image"] != LOCAL_IMAGE:
-            raise ValueError(f"{row['instance_id']}: image {row['image']!r} needs a docker sandbox factory")
+        check_local_rows([row], "the tasks")
         return LocalSandbox(row["repo_dir"], row["base_commit"], **kwargs)
     return make
 
 
 def docker_sandbox_factory(**kwargs) -> SandboxFactory:
-    """Official rows: a container of `image` (kwargs go to DockerSandbox)."""
+    """Any row: a container of its `image` (kwargs go to DockerSandbox)."""
     return lambda row: DockerSandbox(row["image"], row["base_commit"], **kwargs)
 
 
 # ---------------------------------------------------------------- grading
 
 def apply_patch(sandbox: Sandbox, patch: str, timeout: float = 120.0) -> tuple[bool, str]:
-    """Tries APPLY_COMMANDS in order, resetting the tree between tries; returns (applied, log)."""
+    """Tries the harness's GIT_APPLY_CMDS in order, resetting the tree between tries; returns
+    (applied, log)."""
     path, log = sandbox.write_file("patch.diff", patch), []
-    for attempt, command in enumerate(APPLY_COMMANDS):
+    for attempt, command in enumerate(GIT_APPLY_CMDS):
         if attempt:   # a failed try (notably --reject) can leave a half-applied tree behind
             reset = sandbox.run("git reset -q --hard && git clean -q -fd", timeout)
             if reset.returncode != 0:
@@ -183,7 +236,7 @@ def report_from_log(spec, patch: str, log: str) -> dict:
         return get_eval_report(spec, prediction, log_path, include_tests_status=True)[spec.instance_id]
 
 
-def grade(row: dict, patch: str, sandbox_factory: SandboxFactory, timeout: float = 300.0) -> dict:
+def grade(row: dict, patch: str, sandbox_factory: SandboxFactory, timeout: float = HARNESS_TIMEOUT) -> dict:
     """Grades `patch` on a fresh sandbox of `row`; `timeout` bounds the eval script (seconds).
 
     Returns {"instance_id", "resolved": bool, "patch_applied": bool, "tests_status": swebench's
@@ -250,11 +303,31 @@ A good workflow: find the relevant code, reproduce the problem with a small scri
 check the fix and edge cases, then submit."""
 
 
+def task_messages(row: dict, command_timeout: float) -> list[dict]:
+    """The episode's first window: system prompt and the issue (problem_statement only, as the
+    leaderboard rules ask)."""
+    task = USER_TEMPLATE.format(problem_statement=row["problem_statement"].strip())
+    return [{"role": "system", "content": SYSTEM_PROMPT.format(timeout=command_timeout)},
+            {"role": "user", "content": task}]
+
+
+def check_prompts_fit(rows: list[dict], codec, context_budget: int, reserve: int, command_timeout: float) -> None:
+    """Every task's first window must leave the reserve free (eq. 7), or its episode ends before
+    its first action (context_overflow) and nothing is learned. ValueError naming the longest
+    task and the --context-budget it needs; `codec` is the policy's model.ChatCodec."""
+    lengths = {r["instance_id"]: len(codec.prompt(task_messages(r, command_timeout))) for r in rows}
+    longest = max(lengths, key=lengths.get)
+    if (need := lengths[longest] + reserve) > context_budget:
+        raise ValueError(f"the first prompt of task {longest} (system prompt and issue) is {lengths[longest]} "
+                         f"tokens; with the reserve kept free for an action (--reserve {reserve}, eq. 7) it "
+                         f"needs --context-budget {need} or more, but --context-budget is {context_budget}")
+
+
 class SWEEnv:
     """One task episode: a sandbox of the row's repository, graded by `grade` on a fresh one."""
 
     def __init__(self, row: dict, sandbox_factory: SandboxFactory, *, command_timeout: float = 60.0,
-                 eval_timeout: float = 300.0, attempts: int = 3):
+                 eval_timeout: float = HARNESS_TIMEOUT, attempts: int = 3):
         self.row, self.sandbox_factory = row, sandbox_factory
         self.command_timeout, self.eval_timeout, self.attempts = command_timeout, eval_timeout, attempts
         self.sandbox: Sandbox | None = None
@@ -266,9 +339,7 @@ class SWEEnv:
         self.sandbox = retry(lambda: self.sandbox_factory(self.row), self.attempts,
                              f"{self.row['instance_id']}: starting a sandbox")
         self.done, self.last_grade = False, None
-        task = USER_TEMPLATE.format(problem_statement=self.row["problem_statement"].strip())
-        return [{"role": "system", "content": SYSTEM_PROMPT.format(timeout=self.command_timeout)},
-                {"role": "user", "content": task}]
+        return task_messages(self.row, self.command_timeout)
 
     def step(self, action_text: str) -> Step:
         sandbox = self._live_sandbox()

@@ -3,8 +3,12 @@ token-level normalized loss (SPEC §4–§6).
 
     python train.py                                   # CPU: tiny embedded model, memory task
     torchrun --nproc_per_node=2 train.py              # the same on 2 CPU processes (gloo)
-    torchrun --nproc_per_node=8 train.py --model Qwen/Qwen3-8B --task swe --engine vllm \
-        --context-budget 65536 --reserve 10240 --max-action-tokens 10240 ...   # GPUs (nccl)
+    python train.py --task swe                        # CPU: tiny model, built-in SWE tasks (preset swe)
+    python train.py --task swe --sandbox docker       # the same in their Docker images
+    torchrun --nproc_per_node=8 train.py --preset swe-paper --model Qwen/Qwen3-8B \
+        --tasks my_swe_rows.jsonl                     # GPUs (nccl), the paper's settings
+
+Presets (config.PRESETS, listed by --help) give the defaults; every flag overrides them.
 
 Each step reads like the algorithm box: (1) rollouts with compaction on this rank's share of
 tasks → (2) old log-probs and values → (3) advantages and returns → (4) critic updates →
@@ -32,7 +36,7 @@ from advantage import (adaptive_lambda, concatenated_gae, correction_factor, cro
                        group_advantage, masked_whiten, rollout_lengths, segment_gae)
 from batch import micro_batches, minibatch_indices, pad, to_rows
 from compaction import SUMMARY_INSTRUCTION
-from config import Config, finalize
+from config import Config, finalize, parse_config
 from loss import finalize_metrics, normalizer_weights, ppo_policy_loss, value_loss
 from metrics import (Logger, explained_variance, merge_sums, plot_curve, reduce_sums, rollout_metrics,
                      segment_share_metrics, timed)
@@ -77,9 +81,10 @@ def max_model_len(cfg):
     return cfg.context_budget + cfg.max_observation_tokens + cfg.max_summary_tokens + 1024
 
 
-def make_envs(cfg, step, rank, per_rank, warmup=False):
+def make_envs(cfg, step, rank, per_rank, warmup=False, swe_rows=None):
     """This rank's share of the step's tasks: group_size rollouts per task, one env each.
-    Deterministic in (seed, step, rank), so the data position is the step number."""
+    Deterministic in (seed, step, rank), so the data position is the step number. `swe_rows`:
+    the SWE task rows, loaded once (check_inputs)."""
     n_tasks = per_rank // cfg.group_size
     if cfg.task == "memory":
         rows = memory_task.make_tasks(n_tasks, seed=(cfg.seed * 1_000_003 + step) * 1009 + rank,
@@ -89,12 +94,12 @@ def make_envs(cfg, step, rank, per_rank, warmup=False):
         make = memory_task.MemoryEnv
     else:
         import swe_task
-        all_rows = swe_task.load_tasks(cfg.tasks_path)
         start = (step * cfg.rollouts_per_step // cfg.group_size + rank * n_tasks)
-        rows = [all_rows[(start + i) % len(all_rows)] for i in range(n_tasks)]
+        rows = [swe_rows[(start + i) % len(swe_rows)] for i in range(n_tasks)]
         sandbox = swe_task.docker_sandbox_factory() if cfg.sandbox == "docker" else \
             swe_task.local_sandbox_factory(isolated=not cfg.allow_unisolated)
-        make = lambda row: swe_task.SWEEnv(row, sandbox)  # noqa: E731
+        make = lambda row: swe_task.SWEEnv(row, sandbox, command_timeout=cfg.command_timeout,  # noqa: E731
+                                           eval_timeout=cfg.eval_timeout)
     rows = [r for r in rows for _ in range(cfg.group_size)]
     return [make(r) for r in rows], [r.get("task_id", r.get("instance_id")) for r in rows]
 
@@ -110,13 +115,15 @@ def rollout_config(cfg):
                          max_turns=cfg.max_turns, max_action_tokens=cfg.max_action_tokens,
                          max_summary_tokens=cfg.max_summary_tokens, keep_last=cfg.keep_last,
                          max_observation_tokens=cfg.max_observation_tokens,
-                         repeat_task=cfg.repeat_task, temperature=cfg.temperature)
+                         repeat_task=cfg.repeat_task, temperature=cfg.temperature,
+                         env_workers=cfg.env_workers)
 
 
 def prepare_run(cfg, rank):
     """The start-up checks and the run folder (rundir.py), before any model is loaded; a check
-    that fails on one rank raises on every rank. Returns (model path, checkpoint to resume or None)."""
-    fsdp.fail_together(lambda: check_inputs(cfg))
+    that fails on one rank raises on every rank. Returns (model path, checkpoint to resume or None,
+    the SWE task rows or None)."""
+    swe_rows = fsdp.fail_together(lambda: check_inputs(cfg))
     fsdp.fail_together(lambda: rundir.probe_writable(cfg.out_dir, f".write_probe_rank{rank}"))
     fsdp.fail_together(lambda: rundir.prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite), rank0_only=True)
     ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
@@ -131,18 +138,34 @@ def prepare_run(cfg, rank):
         if not cfg.model:  # the embedded default: written by rank 0, read by all
             rundir.ensure_tiny_model(model_path, tiny_model_args(cfg), cfg.resume, build_tiny_model)
     fsdp.fail_together(write_run_files, rank0_only=True)
-    return model_path, resume_from
+    return model_path, resume_from, swe_rows
 
 
 def check_inputs(cfg):
-    """Flags and input files that would otherwise fail after the models load."""
+    """Flags and input files that would otherwise fail after the models load. Returns the SWE
+    task rows (None for the memory task)."""
     rundir.check_optional_packages([f for f, on in (("--tensorboard", cfg.tensorboard), ("--wandb", cfg.wandb)) if on])
-    if cfg.task == "swe":
-        import swe_task
-        swe_task.load_tasks(cfg.tasks_path)
-        if cfg.sandbox == "local" and not cfg.allow_unisolated:
-            from sandbox import check_isolation
+    if cfg.task != "swe":
+        return None
+    import swe_task
+    from sandbox import check_docker_images, check_isolation
+    source = cfg.tasks or swe_task.BUILTIN_TASKS_FILE
+    rows = swe_task.load_tasks(source, cfg.tasks_split)
+    if cfg.sandbox == "docker":
+        check_docker_images(sorted({r["image"] for r in rows}), pull=cfg.pull_images)
+    else:
+        swe_task.check_local_rows(rows, source)
+        if not cfg.allow_unisolated:
             check_isolation()  # no agent command runs unconfined unless the user says so
+    return rows
+
+
+def check_prompts(cfg, codec, swe_rows):
+    """--task swe: every task's first prompt fits the window (swe_task.check_prompts_fit). Needs
+    only the tokenizer: it runs before any model loads."""
+    if swe_rows is not None:
+        import swe_task
+        swe_task.check_prompts_fit(swe_rows, codec, cfg.context_budget, cfg.reserve, cfg.command_timeout)
 
 
 def tiny_model_args(cfg):
@@ -326,11 +349,11 @@ def trainable_episodes(episodes, keep_env_errors=False, mask_truncated=False):
 
 
 def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, codec, rank, per_rank,
-               pad_id, device):
+               pad_id, device, swe_rows=None):
     times, m = {}, {}
     # (1) rollouts with compaction on this rank's share of tasks
     with timed(times, "rollout"):
-        envs, task_ids = make_envs(cfg, step, rank, per_rank)
+        envs, task_ids = make_envs(cfg, step, rank, per_rank, swe_rows=swe_rows)
         first = step * cfg.rollouts_per_step + rank * per_rank
         rids = list(range(first, first + per_rank))
         gids = [r // cfg.group_size for r in rids]
@@ -381,15 +404,14 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
             push_weights(actor, engine)
     # (7) metrics
     for prefix, sums, steps in (("value", crit, crit_steps), ("policy", pol, pol_steps)):
-        if sums:
-            m.update(finalize_metrics(reduce_sums(sums), prefix))
+        if sums and (reduced := reduce_sums(sums)):   # empty: no rank had a token to train on
+            m.update(finalize_metrics(reduced, prefix))
         for k in ("loss", "grad_norm"):
             vals = [s[k] for s in steps if k in s]
             if vals:
                 m[f"{prefix}/{k}"] = sum(vals) / len(vals)
-    if rows:
-        m.update(segment_share_metrics(rows))
-        m.update(explained_variance(rows))
+    m.update(segment_share_metrics(rows))   # collectives: every rank, with rows or without
+    m.update(explained_variance(rows))
     m["train/skipped_steps"] = skipped
     m.update(times)
     m["time/step"] = sum(times.values())
@@ -402,10 +424,11 @@ def main(cfg):
     per_rank = finalize(cfg, world)
     import transformers
     transformers.utils.logging.disable_progress_bar()
-    model_path, resume_from = prepare_run(cfg, rank)  # every check before any model is loaded
+    model_path, resume_from, swe_rows = prepare_run(cfg, rank)  # every check before any model is loaded
     print0 = print if rank == 0 else (lambda *a, **k: None)
     tokenizer = load_tokenizer(model_path)
     codec = ChatCodec(tokenizer)
+    fsdp.fail_together(lambda: check_prompts(cfg, codec, swe_rows))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(cfg.seed)  # the same initial weights everywhere (only rank 0's are used)
     actor, critic = make_models(cfg, model_path, device)
@@ -445,7 +468,7 @@ def main(cfg):
             for group in opt.param_groups:
                 group["lr"] = lr * frac
         metrics, episodes = train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen,
-                                       codec, rank, per_rank, pad_id, device)
+                                       codec, rank, per_rank, pad_id, device, swe_rows)
         logger.log(step, {**metrics, "train/actor_lr": cfg.actor_lr * frac})
         bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", comp=f"{metrics['rollout/compactions']:.2f}",
                         s=f"{metrics['time/step']:.1f}")
@@ -491,5 +514,4 @@ def export(actor, model_path, tokenizer, out_dir, rank):
 
 
 if __name__ == "__main__":
-    import tyro
-    main(tyro.cli(Config))
+    main(parse_config())

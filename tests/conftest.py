@@ -39,3 +39,18 @@ def sandbox_kwargs():
     bubblewrap works, else explicitly not. Escape attempts never use this: they require isolation
     and skip without it."""
     return {} if bwrap_isolates() else {"isolated": False}
+
+
+REQUIRE_DOCKER = os.environ.get("COMPACTIONRL_TEST_REQUIRE_DOCKER") == "1"   # .ci/run sets it
+
+
+def require_docker_images(images):
+    """Skips the calling test unless a Docker daemon answers and holds every image in `images`
+    (tests never pull: the built-in tasks' images come from tasks/swe/build_images.py). Where
+    COMPACTIONRL_TEST_REQUIRE_DOCKER=1 (CI), a missing daemon or image fails the test instead, so
+    no Docker test is skipped unseen."""
+    from sandbox import SandboxError, check_docker_images
+    try:
+        check_docker_images(list(images))
+    except SandboxError as e:
+        (pytest.fail if REQUIRE_DOCKER else pytest.skip)(str(e))

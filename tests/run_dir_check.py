@@ -100,7 +100,9 @@ def start_up_checks(work, seen):
     on_rank0_then_wait(lambda: open(a_file, "w").close())
     find_spec = importlib.util.find_spec
     importlib.util.find_spec = lambda name, *a: None if name in ("tensorboard", "wandb") else find_spec(name, *a)
-    cases = {"empty_tasks": dict(task="swe", tasks_path=empty, warmup_steps=0),
+    cases = {"empty_tasks": dict(preset="swe", task="swe", tasks=empty, warmup_steps=0),
+             "prompt_too_long": dict(preset="swe", task="swe", warmup_steps=0, context_budget=1024, reserve=512,
+                                     max_action_tokens=512, allow_unisolated=True),
              "tensorboard": dict(tensorboard=True),
              "held": dict(out_dir=held),
              "resume_nothing": dict(resume=True),

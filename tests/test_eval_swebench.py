@@ -1,6 +1,8 @@
 """eval_swebench.py: predictions in the official schema, the harness command, grading with swebench's
 own functions on saved logs, local evaluation end to end (tiny model; scripted gold-patch agent),
-resume, and errors that name the problem. No Docker daemon needed; the docker test skips without one.
+resume, and errors that name the problem; docker mode end to end through the real harness on the
+built-in tasks' locally built images (tasks/swe/build_images.py; skipped without them, except in
+CI, where COMPACTIONRL_TEST_REQUIRE_DOCKER=1 makes that a failure).
 
 Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_eval_swebench.py
 
@@ -18,11 +20,11 @@ import sys
 import pytest
 
 import eval_swebench as ev
-from conftest import bwrap_isolates
+from conftest import bwrap_isolates, require_docker_images
 from env import SUBMIT_SENTINEL
-from sandbox import SandboxError, docker_available
+from sandbox import SandboxError
 from model import build_tiny_model, load_tokenizer
-from rollout import Generation
+from scripted import ScriptedAgent, gold_agent, gold_script, submit_script
 from swe_task import BUILTIN_TASKS_FILE, load_tasks
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
@@ -40,35 +42,6 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tok(tiny):
     return tiny[1]
-
-
-class ScriptedAgent:
-    """Replies to each episode with `script(row, turn)`, a shell command (turn 0, 1, ...), found
-    by the problem statement in the prompt. Records the instances it was asked about."""
-
-    def __init__(self, tok, rows, script):
-        self.tok, self.rows, self.script, self.seen = tok, rows, script, []
-
-    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids):
-        out = []
-        for prompt, n in zip(prompts, max_new_tokens):
-            text = self.tok.decode(prompt)
-            row = next(r for r in self.rows if r["problem_statement"].strip() in text)
-            self.seen.append(row["instance_id"])
-            turn = text.count("<|assistant|>") - 1   # the prompt ends with a generation prompt
-            reply = f"Next step.\n```bash\n{self.script(row, turn)}\n```"
-            ids = (self.tok.encode(reply, add_special_tokens=False) + [stop_token_ids[0]])[:n]
-            out.append(Generation(ids, [-0.5] * len(ids), "stop"))
-        return out
-
-
-def gold_script(row, turn):
-    """The perfect agent: apply the gold patch from a heredoc, then submit."""
-    return f"git apply <<'GOLD_EOF'\n{row['patch']}GOLD_EOF" if turn == 0 else f"echo {SUBMIT_SENTINEL}"
-
-
-def gold_agent(tok, rows):
-    return ScriptedAgent(tok, rows, gold_script)
 
 
 def gold_config(out_dir, ids, **kw):
@@ -233,20 +206,22 @@ def test_harness_command_is_exact_and_uses_only_flags_the_harness_has():
         assert f"{flag} " in usage.stdout or f"{flag}," in usage.stdout, flag
 
 
-@pytest.mark.skipif(docker_available(timeout=5), reason="with a daemon the harness would try to run image 'local'")
-def test_real_harness_accepts_our_command_and_predictions_up_to_the_daemon(gold_run, tmp_path):
-    """The real harness run on our preds.jsonl and the built-in rows: it parses the argv, loads the
-    predictions and the dataset, writes its run metadata under run_dir, and stops at the missing
-    daemon, which run_harness reports with the harness's own output."""
+def test_real_harness_accepts_our_command_and_predictions_up_to_the_daemon(gold_run, tmp_path, monkeypatch):
+    """The real harness run on our preds.jsonl and the built-in rows, pointed at a daemon that is
+    not there: it parses the argv, loads the predictions and the rows we wrote for it, writes its
+    run metadata under run_dir, and stops at the missing daemon, which run_harness reports with
+    the harness's own output."""
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-daemon.sock")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     shutil.copy(gold_run[0] / "K0" / "run0" / "preds.jsonl", run_dir / "preds.jsonl")
     with pytest.raises(RuntimeError, match=r"harness failed \(exit code 1.*harness.log") as e:
-        ev.run_harness(BUILTIN_TASKS_FILE, "test", str(run_dir), ev.TINY_MODEL_NAME, [A, B], 1, 60)
+        ev.run_harness([ROWS[A], ROWS[B]], str(run_dir), ev.TINY_MODEL_NAME, 1, 60)
     msg = str(e.value)
     assert "DockerException" in msg and "unrecognized arguments" not in msg and "not found in dataset" not in msg
     run_id = ev.harness_run_id(str(run_dir), str(run_dir / "preds.jsonl"))
     assert (run_dir / "logs" / "run_evaluation" / run_id / "run.json").exists()
+    assert [json.loads(line)["instance_id"] for line in (run_dir / "instances.jsonl").read_text().splitlines()] == [A, B]
 
 
 def test_run_id_changes_with_the_predictions_and_the_folder(tmp_path):
@@ -279,18 +254,16 @@ def test_dataset_without_swebench5_columns_names_columns_dataset_and_fix(tok, tm
     with pytest.raises(ValueError) as e:
         ev.main(gold_config(tmp_path, (A,), dataset=str(old)), engine=NoEngine(), tokenizer=tok)
     msg = str(e.value)
-    assert str(old) in msg and "image (absent from 4 of 4 rows)" in msg and "eval_script" in msg
+    assert str(old) in msg and "eval_script (absent from 4 of 4 rows)" in msg
+    assert "image" not in msg.split("needs:")[1].split(".")[0]   # derived, never missing
     assert "log_parser" not in msg.split("needs:")[1].split(".")[0]   # only the missing ones are listed
     assert "SWE-bench/SWE-bench_Verified" in msg and "swebench==4.1.0" in msg
 
 
-def test_rows_that_do_not_fit_the_mode_are_refused(tok, tmp_path):
-    with pytest.raises(ValueError, match="--mode docker needs container images.*use --mode local"):
-        ev.main(gold_config(tmp_path, (A,), mode="docker", dataset=BUILTIN_TASKS_FILE), engine=NoEngine(),
-                tokenizer=tok)
+def test_rows_without_a_repository_folder_are_refused_in_local_mode(tok, tmp_path):
     docker_rows = tmp_path / "docker.jsonl"
-    docker_rows.write_text(json.dumps(dict(saved_row(), image="swebench/sweb.eval.x86_64.x:latest")) + "\n")
-    with pytest.raises(ValueError, match="--mode local runs rows whose image is 'local'.*use --mode docker"):
+    docker_rows.write_text(json.dumps(saved_row()) + "\n")
+    with pytest.raises(ValueError, match="have no repo_dir for a local sandbox.*--mode docker"):
         ev.main(gold_config(tmp_path, (), dataset=str(docker_rows)), engine=NoEngine(), tokenizer=tok)
 
 
@@ -332,17 +305,27 @@ def test_random_subset_is_seeded_and_in_dataset_order():
         ev.select_instances(rows, n=9)
 
 
-# ---------------------------------------------------------------- docker (only with a daemon)
+# ---------------------------------------------------------------- docker: the built-in tasks' images
 
-@pytest.mark.skipif(not docker_available(timeout=5), reason="no Docker daemon answers `docker info`")
-def test_docker_mode_gold_agent_on_one_verified_instance(tok, tmp_path):
-    """The official image and harness; needs the daemon, network for the dataset and the image."""
-    from swebench.harness.utils import load_swebench_dataset
-    iid = "sympy__sympy-20590"
-    try:
-        rows = load_swebench_dataset(ev.VERIFIED, "test", [iid])
-    except ConnectionError as e:   # a daemon without the Hub (CI builds its images locally)
-        pytest.skip(f"SWE-bench Verified cannot be loaded here: {e}")
-    results = ev.main(gold_config(tmp_path, (iid,), mode="docker", eval_timeout=1800, command_timeout=300),
-                      engine=gold_agent(tok, rows), tokenizer=tok)
-    assert results[0][0]["pass@1"] == 1.0
+def docker_config(out_dir, **kw):
+    return gold_config(out_dir, tuple(ROWS), mode="docker", dataset=BUILTIN_TASKS_FILE, workers=4,
+                       harness_workers=2, **kw)
+
+
+def test_docker_mode_grades_with_the_official_harness_on_locally_built_images(tok, tmp_path):
+    """Every built-in task in its container (DockerSandbox), graded by the real harness on the
+    images tasks/swe/build_images.py built: the gold agent resolves all, the agent that changes
+    nothing none (empty patches, which the harness does not run)."""
+    require_docker_images([r["image"] for r in ROWS.values()])
+    (gold,) = ev.main(docker_config(tmp_path / "gold"), engine=gold_agent(tok, list(ROWS.values())),
+                      tokenizer=tok)[0]
+    assert gold["pass@1"] == 1.0 and gold["outcomes"] == {i: "resolved" for i in ROWS}, gold
+    run = tmp_path / "gold" / "K0" / "run0"
+    harness_log = (run / "harness.log").read_text()
+    assert "Instances resolved: 4" in harness_log and "attempting to pull" not in harness_log.lower()
+    for iid in ROWS:   # the harness's own log of the instance: its container, our image, pytest inside
+        output = (run / "logs" / "run_evaluation").glob(f"*/*/{iid}/test_output.txt")
+        assert "passed" in next(output).read_text()
+    (empty,) = ev.main(docker_config(tmp_path / "empty"), engine=ScriptedAgent(tok, list(ROWS.values()),
+                                                                               submit_script), tokenizer=tok)[0]
+    assert empty["pass@1"] == 0.0 and empty["outcomes"] == {i: "empty_patch" for i in ROWS}, empty

@@ -258,6 +258,8 @@ def test_checkpoints_are_verified_and_start_up_checks_stop_every_rank(tmp_path):
         assert s["no_manifest"].startswith(f"{root / 'step_00000000'} has no manifest.json")
         # bad input: the same error on every rank (or rank 0's, named), and no model loaded
         assert s["empty_tasks"] == f"ValueError: {tmp_path / 'empty.jsonl'} holds no task rows"
+        assert s["prompt_too_long"].startswith("ValueError: the first prompt of task local__")   # after the tokenizer
+        assert "needs --context-budget" in s["prompt_too_long"] and "but --context-budget is 1024" in s["prompt_too_long"]
         assert "--tensorboard needs the tensorboard package" in s["tensorboard"]
         assert f"FileExistsError: {tmp_path / 'held'} already holds a run" in s["held"]
         assert s["resume_nothing"].startswith(f"FileNotFoundError: --resume: no checkpoint in "

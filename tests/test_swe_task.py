@@ -16,8 +16,8 @@ import pytest
 from conftest import bwrap_isolates
 from env import SUBMIT_SENTINEL
 from sandbox import SandboxError
-from swe_task import (BUILTIN_TASKS_DIR, BUILTIN_TASKS_FILE, PROJECT_DIR, SWEEnv, apply_patch, grade,
-                      load_tasks, local_sandbox_factory, validate_row)
+from swe_task import (BUILTIN_TASKS_DIR, BUILTIN_TASKS_FILE, PROJECT_DIR, SWEEnv, apply_patch, check_local_rows,
+                      grade, image_name, load_tasks, local_sandbox_factory, validate_row)
 from tasks.swe.build_tasks import build_rows, render
 
 ROWS = load_tasks()
@@ -125,7 +125,7 @@ def bad_row(**changes) -> dict:
     (bad_row(eval_type="most"), "eval_type", "expected one of"),
     (bad_row(eval_script="pytest"), "eval_script", "markers"),
     (bad_row(version=0.1), "version", "must be a str"),
-    (bad_row(repo_dir=None), "repo_dir", "is required"),
+    (bad_row(repo_dir=3), "repo_dir", "must be a folder"),
 ])
 def test_malformed_rows_name_the_row_and_field(row, field, problem):
     named = f"task row 7 \\(instance_id='{row['instance_id']}'\\): field '{field}'"
@@ -160,6 +160,46 @@ def test_load_tasks_reads_parquet_like_jsonl(tmp_path):
     path = str(tmp_path / "tasks.parquet")
     pandas.DataFrame(ROWS).to_parquet(path)   # absolute repo_dir: joining keeps it as is
     assert load_tasks(path) == ROWS
+
+
+def verified_style_rows():
+    """Two rows of our own in SWE-bench Verified's columns, as its Hugging Face dataset has them:
+    FAIL_TO_PASS/PASS_TO_PASS as JSON text, hints and dates, no repo_dir, and here no image."""
+    rows = []
+    for i, row in enumerate(ROWS[:2]):
+        rows.append({"repo": "acme/widgets", "instance_id": f"acme__widgets-{100 + i}",
+                     "base_commit": row["base_commit"], "patch": row["patch"], "test_patch": row["test_patch"],
+                     "problem_statement": row["problem_statement"], "hints_text": "",
+                     "created_at": "2024-01-0{}T00:00:00Z".format(i + 1), "version": "1.0",
+                     "FAIL_TO_PASS": json.dumps(row["FAIL_TO_PASS"]), "PASS_TO_PASS": json.dumps(row["PASS_TO_PASS"]),
+                     "environment_setup_commit": row["base_commit"], "difficulty": "<15 min fix",
+                     "eval_script": row["eval_script"], "log_parser": row["log_parser"], "eval_type": row["eval_type"]})
+    return rows
+
+
+def test_swe_bench_rows_load_alike_from_a_file_and_through_datasets(tmp_path):
+    """The same rows as a .jsonl, a .parquet, a Hugging Face dataset folder (<split>.parquet) and a
+    `save_to_disk` folder, the last two read through `datasets` (swebench's own loader): the same
+    validated rows, each with the image name the harness derives for a published instance."""
+    from datasets import Dataset
+    from swebench.task.checks import expected_image
+    rows = verified_style_rows()
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "hub").mkdir()
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "hub" / "test.parquet"))
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "disk" / "test"))
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "rows.parquet"))
+    loaded = {name: load_tasks(str(tmp_path / name), "test") for name in ("rows.jsonl", "rows.parquet", "hub", "disk")}
+    first = loaded["rows.jsonl"]
+    assert all(rows == first for rows in loaded.values())
+    assert [r["image"] for r in first] == [expected_image(r["instance_id"]) for r in rows] == \
+        ["swebench/sweb.eval.x86_64.acme_1776_widgets-100:latest", "swebench/sweb.eval.x86_64.acme_1776_widgets-101:latest"]
+    assert first[0]["FAIL_TO_PASS"] == ROWS[0]["FAIL_TO_PASS"] and first[1]["hints_text"] == ""
+    assert image_name("acme__widgets-100", namespace=None) == "sweb.eval.x86_64.acme__widgets-100:latest"
+    with pytest.raises(ValueError, match="have no repo_dir for a local sandbox"):
+        check_local_rows(first, "rows.jsonl")
+    check_local_rows(ROWS, "the built-in tasks")
 
 
 # ---------------------------------------------------------------- transient failures
@@ -257,7 +297,9 @@ def test_agent_cannot_read_the_task_files(factory):
                             f"git -C {PROJECT_DIR} log -p | grep 'diff --git'"))
         assert "No such file" in peek.observation and "diff --git" not in peek.observation
         listing = env.sandbox.run(f"ls -A {PROJECT_DIR}", 5)
-        assert set(listing.output.split()) <= {os.path.basename(sys.prefix)}, listing.output   # the venv
+        # at most the venv, when it lives in the checkout (one linked from elsewhere is bound there)
+        assert listing.returncode != 0 or set(listing.output.split()) <= {os.path.basename(sys.prefix)}, \
+            listing.output
         tests = env.step(act("python -m pytest -q -p no:cacheprovider tests"))
         assert "<returncode>0</returncode>" in tests.observation
     finally:

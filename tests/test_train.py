@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,7 +19,13 @@ from advantage import cross_trajectory_gae, rollout_lengths
 from loss import ppo_policy_loss
 from metrics import read_metrics
 from model import build_tiny_model, load_policy, load_tokenizer, token_logprobs
-from sandbox import SandboxError
+from config import PRESETS, finalize, parse_config
+from conftest import bwrap_isolates, require_docker_images
+from model import ChatCodec
+from rollout import run_episodes
+from sandbox import RUN_ID, RUN_LABEL, DockerSandbox, SandboxError
+from scripted import ScriptedAgent, gold_script, submit_script
+from swe_task import load_tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--rollouts-per-step", "8", "--warmup-steps", "2", "--value-pretrain-steps", "1",
@@ -165,7 +173,127 @@ def test_env_error_episodes_stay_out_of_the_batch_unless_asked():
 
 def test_swe_task_refuses_unisolated_agent_commands_before_any_model(monkeypatch):
     monkeypatch.setattr("sandbox.shutil.which", lambda name: None)   # as on a machine without bubblewrap
+    swe = parse_config(["--task", "swe"])
     with pytest.raises(SandboxError, match="apt-get install bubblewrap"):
-        train.check_inputs(train.Config(task="swe"))
-    train.check_inputs(train.Config(task="swe", allow_unisolated=True))   # asked for: no check
-    train.check_inputs(train.Config(task="swe", sandbox="docker"))
+        train.check_inputs(swe)
+    assert len(train.check_inputs(replace(swe, allow_unisolated=True))) == 4   # asked for: no check
+
+
+# --- SWE: presets, task rows, Docker ----------------------------------------------------------------
+
+def test_task_swe_alone_picks_the_swe_preset_and_flags_override_presets():
+    swe = parse_config(["--task", "swe"])
+    assert swe == replace(PRESETS["swe"][1]) and swe.preset == "swe" and swe.warmup_steps == 0
+    assert swe.max_action_tokens > 1 and swe.context_budget > 1024   # an issue and a patch fit
+    assert parse_config([]) == train.Config() and parse_config(["--task=swe"]) == swe
+    paper = parse_config(["--preset", "swe-paper", "--model", "m", "--max-turns", "7"])
+    assert (paper.context_budget, paper.reserve, paper.max_compactions, paper.rollouts_per_step) == (65536, 10240, 3, 128)
+    assert (paper.actor_lr, paper.critic_lr, paper.critic_updates, paper.value_pretrain_steps) == (2e-6, 3e-6, 2, 50)
+    assert paper.sandbox == "docker" and paper.max_turns == 7 and paper.model == "m"
+    for argv, problem in ((["--preset", "swe", "--task", "memory"], "--preset swe is for --task swe"),
+                          (["--preset", "swe-paper"], "give --model"),
+                          (["--task", "swe", "--warmup-steps", "5"], "--warmup-steps 0")):
+        with pytest.raises(AssertionError, match=problem):
+            finalize(parse_config(argv), 1)
+    usage = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert usage.returncode == 0 and all(f"  {name}: " in usage.stdout for name in PRESETS), usage.stdout
+    shown = subprocess.run([sys.executable, "train.py", "--task", "swe", "--help"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120, env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "(default: 2048)" in shown   # --help shows the preset's values as the defaults
+
+
+def test_docker_sandbox_needs_a_daemon_and_every_task_image_before_any_model(tmp_path):
+    """SWE-bench-style rows name published images that are not here: refused at start, naming one
+    and how to get it (or, without a daemon, naming that)."""
+    row = {k: v for k, v in load_tasks()[0].items() if k not in ("repo_dir", "image")}
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(dict(row, instance_id="acme__widgets-1")) + "\n")
+    with pytest.raises(SandboxError, match="(1 of 1 task images are not present locally .*docker pull "
+                                           "swebench/sweb.eval.x86_64.acme_1776_widgets-1:latest)|needs a Docker daemon"):
+        train.check_inputs(parse_config(["--task", "swe", "--sandbox", "docker", "--tasks", str(rows)]))
+
+
+@pytest.fixture(scope="module")
+def tiny_codec(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny"))
+    build_tiny_model(path)
+    tok = load_tokenizer(path)
+    return tok, ChatCodec(tok)
+
+
+def most_at_once(spans):
+    """The largest number of (start, end) spans open at one time."""
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    running = [0]
+    for _, change in events:
+        running.append(running[-1] + change)
+    return max(running)
+
+
+@pytest.mark.parametrize("script,reward", [(gold_script, 1.0), (submit_script, 0.0)], ids=["gold", "empty"])
+def test_training_rewards_in_docker_are_the_harness_grades(tiny_codec, script, reward, monkeypatch):
+    """Training's own environments (make_envs, --task swe --sandbox docker) on every built-in task,
+    each in its locally built image: the agent that applies the gold patch earns 1 on every task,
+    the one that submits an empty patch 0. Containers start and are removed concurrently (env
+    threads), and none is left."""
+    rows = load_tasks()
+    require_docker_images([r["image"] for r in rows])
+    spans = {"start": [], "remove": []}
+
+    class TimedSandbox(DockerSandbox):
+        def __init__(self, *args, **kwargs):
+            t = time.monotonic()
+            super().__init__(*args, **kwargs)
+            spans["start"].append((t, time.monotonic()))
+
+        def close(self):
+            t = time.monotonic()
+            super().close()
+            spans["remove"].append((t, time.monotonic()))
+
+    monkeypatch.setattr("swe_task.DockerSandbox", TimedSandbox)
+    tok, codec = tiny_codec
+    cfg = parse_config(["--task", "swe", "--sandbox", "docker", "--rollouts-per-step", "4", "--eval-timeout", "60"])
+    envs, task_ids = train.make_envs(cfg, 0, 0, 4, swe_rows=rows)
+    assert sorted(task_ids) == sorted(r["instance_id"] for r in rows)
+    episodes = run_episodes(ScriptedAgent(tok, rows, script), codec, envs, train.rollout_config(cfg),
+                            list(range(4)), task_ids)
+    assert [(e.end_reason, e.reward) for e in episodes] == [("submitted", reward)] * 4
+    assert all(env.sandbox is None for env in envs)
+    if reward:
+        assert all(env.last_grade["tests_status"]["FAIL_TO_PASS"]["success"] == env.row["FAIL_TO_PASS"]
+                   for env in envs)
+    assert len(spans["start"]) == len(spans["remove"]) == (8 if reward else 4)   # + a fresh one per grade
+    assert most_at_once(spans["start"]) > 1 and most_at_once(spans["remove"]) > 1, spans
+    assert not subprocess.run(["docker", "ps", "-aq", "--filter", f"label={RUN_LABEL}={RUN_ID}"],
+                              capture_output=True, text=True).stdout.strip()
+
+
+def test_a_rank_whose_sandboxes_all_fail_trains_on_with_the_others(tmp_path):
+    """Two ranks, one rollout each: rank 0's task has a base commit its repository cannot have, so
+    its sandbox never starts (env_error) and its batch is empty; rank 1's is whole. Every
+    collective still lines up (no hang), and the update uses rank 1's tokens."""
+    good, broken = load_tasks()[:2]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in (dict(broken, base_commit="0" * 40), good)))
+    out = str(tmp_path / "run")
+    run(["train.py", "--task", "swe", "--tasks", str(rows), "--steps", "2", "--rollouts-per-step", "2",
+         "--out-dir", out] + ([] if bwrap_isolates() else ["--allow-unisolated"]), nproc=2, timeout=300)
+    recs = metrics(out)
+    assert [r["end/env_error"] for r in recs] == [0.5, 0.5]
+    assert recs[1]["policy/tokens"] == recs[1]["rollout/trainable_tokens"] > 0
+
+
+def test_swe_training_runs_in_docker_end_to_end(tmp_path):
+    """train.py --task swe --sandbox docker: 2 steps of the tiny model on the built-in tasks, every
+    sandbox a container of the task's image."""
+    require_docker_images([r["image"] for r in load_tasks()])
+    out = str(tmp_path / "run")
+    run(["train.py", "--task", "swe", "--sandbox", "docker", "--steps", "2", "--rollouts-per-step", "4",
+         "--max-turns", "2", "--out-dir", out])
+    recs = metrics(out)
+    assert [r["step"] for r in recs] == [0, 1] and "policy/approx_kl" in recs[1]
+    assert all(r["end/env_error"] == 0 and r["rollout/trainable_tokens"] > 0 for r in recs)
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["sandbox"] == "docker"

@@ -12,12 +12,14 @@ Each folder `<name>/` holds:
 
 Rows follow the swebench-5 schema. `base_commit` is the commit `sandbox.commit_base` makes of repo/
 (fixed author and date, so it is reproducible); `LocalSandbox` checks it, so a row goes stale
-(loudly) when its repository changes. `image` is "local": these tasks run in a `LocalSandbox`
-copy of `repo_dir` (relative to this folder), not in a container. The eval script has the
-shape of SWE-bench Verified's (reset the test files, apply the test patch, markers around a
-`pytest -rA` run, reset again) minus `cd /testbed` and conda activation: it runs in the
-sandbox's working copy with the sandbox's python. tests/test_swe_task.py checks that every
-gold patch resolves its task and that the tests fail without it.
+(loudly) when its repository changes. Each row runs two ways: in a `LocalSandbox` copy of
+`repo_dir` (relative to this folder), or in a container of `image`, the name swebench gives a
+locally built instance image, which tasks/swe/build_images.py builds (the repository at
+/testbed, the working folder, at base_commit). The eval script has the shape of SWE-bench
+Verified's (reset the test files, apply the test patch, markers around a `pytest -rA` run, reset
+again) minus `cd /testbed` and conda activation: it runs in the working folder (the container's
+/testbed, or the sandbox's copy) with the python found there. tests/test_swe_task.py checks
+that every gold patch resolves its task and that the tests fail without it.
 """
 import json
 import os
@@ -27,6 +29,7 @@ import sys
 import tempfile
 
 from sandbox import COPY_IGNORE, commit_base
+from swe_task import image_name
 
 TASKS_DIR = os.path.dirname(os.path.abspath(__file__))
 TASKS_FILE = os.path.join(TASKS_DIR, "tasks.jsonl")
@@ -78,7 +81,7 @@ def build_row(name: str) -> dict:
         "FAIL_TO_PASS": meta["FAIL_TO_PASS"],
         "PASS_TO_PASS": meta["PASS_TO_PASS"],
         "version": "0.1",
-        "image": "local",
+        "image": image_name(meta["instance_id"], namespace=None),
         "eval_script": eval_script(base, test_patch),
         "log_parser": "parse_log_pytest",
         "eval_type": "pass_and_fail",
