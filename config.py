@@ -69,7 +69,8 @@ class Config:
     trainer shares the device. Must hold one max_model_len sequence; more = more rollouts at once."""
     # --- batch ------------------------------------------------------------------------------
     steps: int = 50
-    """Training steps (each: rollouts, critic updates, one policy update)."""
+    """Training steps (each: rollouts, critic updates and, after the first value_pretrain_steps, one
+    policy update). Must exceed value_pretrain_steps, or 0 (the warm-up alone)."""
     rollouts_per_step: int = 128
     """Global rollouts per step, split over ranks. Paper: 128 (group size 1)."""
     group_size: int = 1
@@ -182,4 +183,8 @@ def finalize(cfg, world):
     assert cfg.reserve >= cfg.max_action_tokens, "reserve must be >= max_action_tokens (eq. 7: a response always fits)"
     assert cfg.warmup_steps == 0 or cfg.task == "memory", "the warm-up exists for the memory task only"
     assert not (cfg.resume and cfg.overwrite), "--resume continues the run in out_dir, --overwrite replaces it"
+    assert cfg.steps == 0 or cfg.steps > cfg.value_pretrain_steps, \
+        (f"--steps {cfg.steps} with --value-pretrain-steps {cfg.value_pretrain_steps}: steps 0 to "
+         f"{cfg.value_pretrain_steps - 1} train only the critic, so the policy would never be updated; raise "
+         f"--steps or lower --value-pretrain-steps")
     return per_rank

@@ -308,7 +308,8 @@ def test_a_full_disk_while_saving_names_the_checkpoint_and_the_free_space(tmp_pa
     model = build_tiny_model(str(tmp_path / "model"))
     out = tmp_path / "run"
     out.mkdir()
-    p = train_py(["--model", model, "--steps", "1", "--out-dir", str(out), "--warmup-steps", "0"] + SMALL,
+    p = train_py(["--model", model, "--steps", "1", "--out-dir", str(out), "--warmup-steps", "0"] + SMALL
+                 + ["--value-pretrain-steps", "0"],
                  ok=False, prefix=[BWRAP, "--dev-bind", "/", "/", "--size", "1000000", "--tmpfs", str(out)])
     assert f"writing the checkpoint {out}/checkpoints/step_00000000.tmp failed with " in p.stderr, p.stderr[-3000:]
     assert "bytes free on its disk (is it full?)" in p.stderr

@@ -169,3 +169,11 @@ def test_swe_task_refuses_unisolated_agent_commands_before_any_model(monkeypatch
         train.check_inputs(train.Config(task="swe"))
     train.check_inputs(train.Config(task="swe", allow_unisolated=True))   # asked for: no check
     train.check_inputs(train.Config(task="swe", sandbox="docker"))
+
+
+def test_a_run_that_would_never_update_the_policy_is_refused():
+    """Steps 0 .. value_pretrain_steps − 1 train the critic only: --steps must go past them."""
+    with pytest.raises(AssertionError, match="the policy would never be updated"):
+        train.finalize(train.Config(steps=50, value_pretrain_steps=50), world=8)
+    train.finalize(train.Config(steps=51, value_pretrain_steps=50), world=8)
+    train.finalize(train.Config(steps=0, value_pretrain_steps=50), world=8)  # the warm-up alone
