@@ -90,7 +90,8 @@ def decoder_layers(module):
     names = set()
     for m in module.modules():
         names.update(getattr(m, "_no_split_modules", None) or [])
-    layers = [m for m in module.modules() if type(m).__name__ in names]
+    # the class or a base: fully_shard swaps a module's class for a subclass (FSDP<name>)
+    layers = [m for m in module.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not layers:
         raise ValueError(f"no decoder layers found in {type(module).__name__} "
                          f"(looked for classes {sorted(names)})")
@@ -130,6 +131,10 @@ def load_sharded(build, device, mixed_precision, activation_checkpointing=False)
         with torch.device("meta"):
             module = build(True)
         full, buffers = {}, {}
+    # Training mode on every rank: from_pretrained returns a model in eval mode (rank 0) and
+    # from_config one in training mode (the others), and transformers checkpoints a layer's
+    # activations only in training mode.
+    module.train()
     module = shard(module, device, mixed_precision, activation_checkpointing)
     module.to_empty(device=device) if rank != 0 else module.to(device)
     set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True,

@@ -86,13 +86,32 @@ def test_logged_lambda_and_correction_match_a_loop():
     assert adaptive["correction"] == pytest.approx(3 * lam0 ** 2)
 
 
-def test_one_rank_equals_two_ranks_and_loss_is_the_global_token_mean(tmp_path):
-    model = str(tmp_path / "model")
+@pytest.fixture(scope="module")
+def dist_runs(tmp_path_factory):
+    """tests/dist_check.py with 1 and 2 ranks on one tiny model: {n ranks: its results}, and the model."""
+    tmp = tmp_path_factory.mktemp("dist")
+    model = str(tmp / "model")
     build_tiny_model(model)
     res = {}
     for n in (1, 2):
-        run(["tests/dist_check.py", str(tmp_path / f"out{n}.pt"), model], nproc=n)
-        res[n] = torch.load(tmp_path / f"out{n}.pt")
+        run(["tests/dist_check.py", str(tmp / f"out{n}.pt"), model], nproc=n)
+        res[n] = torch.load(tmp / f"out{n}.pt")
+    return res, model
+
+
+def test_activation_checkpointing_runs_on_every_rank(dist_runs):
+    """Each decoder layer runs twice per forward and backward (forward, then the recompute), on
+    rank 0 too, whose weights come from from_pretrained, and in a world of one."""
+    res, _ = dist_runs
+    for n in (1, 2):
+        for rank, models in enumerate(res[n]["checkpointed_calls"]):
+            for name, seen in models.items():
+                assert seen["training"], (n, rank, name)
+                assert seen["calls"] == 2 * seen["layers"], (n, rank, name, seen)
+
+
+def test_one_rank_equals_two_ranks_and_loss_is_the_global_token_mean(dist_runs):
+    res, model = dist_runs
     for n in (1, 2):  # a NaN in the loss skips the step on every rank, weights untouched
         assert res[n]["nan_step_skipped"] == 1 and res[n]["nan_step_unchanged"]
     for part in ("actor", "critic"):
