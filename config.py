@@ -15,6 +15,15 @@ class Config:
     """Embedded tiny model: decoder layers."""
     tiny_heads: int = 4
     """Embedded tiny model: attention heads (head_dim is 32, what vLLM's CPU backend accepts)."""
+    rope_scaling: tuple[float, int] | None = None
+    """YaRN RoPE scaling as FACTOR ORIGINAL (original = the positions the model was trained on):
+    positions up to FACTOR × ORIGINAL. Passed identically to the trainer's model config and to
+    vLLM, so both compute the same positions. Qwen3's documented long-context setting: 4 32768.
+    None: the checkpoint's own positions. The longest sequence must fit (checked at start)."""
+    thinking: bool = True
+    """Render the chat template with enable_thinking (Qwen3, GLM-4.5): --no-thinking gives every
+    turn the template's empty reasoning block, so the policy answers directly. Templates without
+    the switch ignore it. The environment reads commands from the answer after any reasoning."""
     task: Literal["memory", "swe"] = "memory"
     """memory: the built-in CPU task (memory_task.py); swe: SWE task rows from `tasks_path`."""
     tasks_path: str = "tasks/swe/tasks.jsonl"

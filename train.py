@@ -36,25 +36,25 @@ from config import Config, finalize
 from loss import finalize_metrics, normalizer_weights, ppo_policy_loss, value_loss
 from metrics import (Logger, explained_variance, merge_sums, plot_curve, reduce_sums, rollout_metrics,
                      segment_share_metrics, timed)
-from model import Actor, ChatCodec, Critic, build_tiny_model, export_pretrained, load_tokenizer
+from model import Actor, ChatCodec, Critic, build_tiny_model, export_pretrained, hf_config, load_tokenizer
 from rollout import RolloutConfig, format_episode, make_engine, run_episodes
 
 
 # --- (0) set-up ---------------------------------------------------------------------------------
 
 def make_models(cfg, model_path, device, actor_only=False):
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
     mp = cfg.mixed_precision and device.type == "cuda"
-    hf_cfg = AutoConfig.from_pretrained(model_path)
+    hf_cfg = hf_config(model_path, cfg.rope_scaling)
 
     def build_actor(meta):
         lm = AutoModelForCausalLM.from_config(hf_cfg) if meta else \
-            AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            AutoModelForCausalLM.from_pretrained(model_path, config=hf_cfg, dtype=torch.float32)
         return Actor(lm)
 
     def build_critic(meta):
         backbone = AutoModel.from_config(hf_cfg) if meta else \
-            AutoModel.from_pretrained(model_path, dtype=torch.float32)
+            AutoModel.from_pretrained(model_path, config=hf_cfg, dtype=torch.float32)
         return Critic(backbone, hf_cfg.hidden_size)
 
     actor = fsdp.load_sharded(build_actor, device, mp, cfg.activation_checkpointing)
@@ -67,7 +67,8 @@ def make_models(cfg, model_path, device, actor_only=False):
 def engine_for(cfg, model_path, pad_id, device):
     return make_engine(cfg.engine, model_path, pad_id, device, seed=cfg.seed + dist.get_rank(),
                        max_model_len=max_model_len(cfg), kv_cache_bytes=int(cfg.kv_cache_gib * 2**30),
-                       dtype="bfloat16" if cfg.mixed_precision and device.type == "cuda" else "float32")
+                       dtype="bfloat16" if cfg.mixed_precision and device.type == "cuda" else "float32",
+                       rope_scaling=cfg.rope_scaling)
 
 
 def max_model_len(cfg):
@@ -131,7 +132,29 @@ def prepare_run(cfg, rank):
         if not cfg.model:  # the embedded default: written by rank 0, read by all
             rundir.ensure_tiny_model(model_path, tiny_model_args(cfg), cfg.resume, build_tiny_model)
     fsdp.fail_together(write_run_files, rank0_only=True)
+    fsdp.fail_together(lambda: check_model(cfg, model_path))
     return model_path, resume_from
+
+
+def check_model(cfg, model_path):
+    """What the model must allow, checked from its config and tokenizer alone: the longest
+    sequence within its positions (RoPE past its range raises in vLLM and silently degrades in
+    transformers), and a chat template the codec can follow."""
+    hf = hf_config(model_path, cfg.rope_scaling)
+    need, limit = max_model_len(cfg), hf.max_position_embeddings
+    if need > limit:
+        scaling = f"YaRN {cfg.rope_scaling}" if cfg.rope_scaling else "no rope scaling"
+        raise ValueError(f"the longest sequence, {need} tokens (--context-budget {cfg.context_budget} + "
+                         f"--max-observation-tokens {cfg.max_observation_tokens} + --max-summary-tokens "
+                         f"{cfg.max_summary_tokens} + 1024), is past {model_path}'s {limit} positions "
+                         f"(max_position_embeddings, {scaling}): lower those flags, or extend the positions "
+                         f"with --rope-scaling FACTOR ORIGINAL (YaRN; Qwen3: --rope-scaling 4 32768)")
+    ChatCodec(load_tokenizer(model_path), template_kwargs(cfg))  # raises, naming what the template lacks
+
+
+def template_kwargs(cfg):
+    """Variables every chat-template rendering gets; templates without them ignore them."""
+    return {"enable_thinking": cfg.thinking}
 
 
 def check_inputs(cfg):
@@ -405,7 +428,7 @@ def main(cfg):
     model_path, resume_from = prepare_run(cfg, rank)  # every check before any model is loaded
     print0 = print if rank == 0 else (lambda *a, **k: None)
     tokenizer = load_tokenizer(model_path)
-    codec = ChatCodec(tokenizer)
+    codec = ChatCodec(tokenizer, template_kwargs(cfg))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     torch.manual_seed(cfg.seed)  # the same initial weights everywhere (only rank 0's are used)
     actor, critic = make_models(cfg, model_path, device)
@@ -456,13 +479,13 @@ def main(cfg):
             if rank == 0:
                 plot_curve(logger.path, os.path.join(cfg.out_dir, "curve.png"))
         if cfg.export_every and (step + 1) % cfg.export_every == 0:
-            export(actor, model_path, tokenizer, os.path.join(cfg.out_dir, f"hf_step_{step}"), rank)
+            export(actor, model_path, tokenizer, os.path.join(cfg.out_dir, f"hf_step_{step}"), rank, cfg.rope_scaling)
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step == cfg.steps - 1:
             fsdp.save_checkpoint(ckpt_root, step, models, {"actor": opt_a, "critic": opt_c},
                                  {"step": step, "rng": fsdp.rng_state(), "config": asdict(cfg)},
                                  keep=cfg.keep_checkpoints)
     if cfg.export_hf:
-        export(actor, model_path, tokenizer, os.path.join(cfg.out_dir, "hf"), rank)
+        export(actor, model_path, tokenizer, os.path.join(cfg.out_dir, "hf"), rank, cfg.rope_scaling)
         print0(f"exported the policy to {os.path.join(cfg.out_dir, 'hf')}")
     dist.barrier()
     for e in (engine, frozen):
@@ -480,12 +503,13 @@ def seeded_rng(seed):
     return fsdp.rng_state()
 
 
-def export(actor, model_path, tokenizer, out_dir, rank):
-    """save_pretrained of the current policy (full weights gathered to rank 0)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def export(actor, model_path, tokenizer, out_dir, rank, rope_scaling=None):
+    """save_pretrained of the current policy (full weights gathered to rank 0), with the config it
+    was trained with (rope scaling included)."""
+    from transformers import AutoModelForCausalLM
     sd = fsdp.full_state_dict(actor, cpu_offload=True)
     if rank == 0:
-        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        lm = AutoModelForCausalLM.from_config(hf_config(model_path, rope_scaling))
         lm.load_state_dict({k.removeprefix("lm."): v for k, v in sd.items()})
         export_pretrained(lm, tokenizer, out_dir)
 
