@@ -46,8 +46,12 @@ class Engine:
         """prompts: list of token-id lists; max_new_tokens: one int per prompt. -> [Generation]"""
         raise NotImplementedError
 
+    dtype = torch.float32
+    """The dtype the engine computes in: pushed weights are cast to it before they are gathered."""
+
     def load_weights(self, named_tensors):
-        """Replace the weights with (name, tensor) pairs in Hugging Face naming."""
+        """Replace the weights with (name, tensor) pairs in Hugging Face naming, from any iterable:
+        a generator streams them (each is copied in before the next is made)."""
         raise NotImplementedError
 
     def sleep(self):
@@ -68,6 +72,7 @@ class HFEngine(Engine):
     def __init__(self, model, pad_token_id):
         self.model = model.eval()
         self.pad = pad_token_id
+        self.dtype = next(model.parameters()).dtype
 
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature, stop_token_ids):
@@ -100,8 +105,13 @@ class HFEngine(Engine):
             results.append(Generation(toks, lps, "stop" if stopped else "length"))
         return results
 
+    @torch.no_grad()
     def load_weights(self, named_tensors):
-        self.model.load_state_dict(dict(named_tensors), strict=False)
+        own = self.model.state_dict()  # views of the parameters (tied ones under each name)
+        for name, t in named_tensors:
+            if name not in own:
+                raise KeyError(f"HFEngine.load_weights: {name} is not a weight of {type(self.model).__name__}")
+            own[name].copy_(t)
 
 
 def make_engine(kind, model_path, pad_token_id, device, seed=0, max_model_len=None, kv_cache_bytes=None,

@@ -98,8 +98,9 @@ class VLLMEngine(Engine):
             # would be cached only in 128-token blocks). 32 is also faster to decode here.
             "block_size": 32}
         rng = _rng_state()
+        dtype = dtype or ("bfloat16" if gpu else "float32")
         self.llm = LLM(
-            model=model_path, dtype=dtype or ("bfloat16" if gpu else "float32"), seed=seed,
+            model=model_path, dtype=dtype, seed=seed,
             max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_bytes,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,  # each agent turn re-sends its window: only new tokens prefill
@@ -111,6 +112,7 @@ class VLLMEngine(Engine):
             **({"gpu_memory_utilization": memory_fraction} if memory_fraction is not None else {}),
             **device_kwargs)
         _set_rng_state(rng)  # vLLM seeded the global RNGs with `seed`; the trainer owns them
+        self.dtype = getattr(torch, dtype)
         self.asleep = set()  # what sleep() released and wake_up() has not restored: weights, kv_cache
         self.broken = None  # the error of a failed weight push; the weights are then undefined
 

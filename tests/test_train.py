@@ -110,6 +110,18 @@ def test_activation_checkpointing_runs_on_every_rank(dist_runs):
                 assert seen["calls"] == 2 * seen["layers"], (n, rank, name, seen)
 
 
+def test_the_weight_push_streams_tensors_in_the_engines_dtype(dist_runs):
+    """train.push_weights hands the engine one gathered tensor at a time, already in its dtype
+    (bfloat16 here), the full weights and every name; the trainer's cached memory is released
+    before the engine wakes for them."""
+    res, _ = dist_runs
+    for n in (1, 2):
+        for rank, seen in enumerate(res[n]["push"]):
+            assert seen["dtypes"] == ["torch.bfloat16"], (n, rank, seen)
+            assert seen["most_alive"] == 1, (n, rank, seen)
+            assert seen["equal"] and seen["names"] and seen["released_first"], (n, rank, seen)
+
+
 def test_one_rank_equals_two_ranks_and_loss_is_the_global_token_mean(dist_runs):
     res, model = dist_runs
     for n in (1, 2):  # a NaN in the loss skips the step on every rank, weights untouched
