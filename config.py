@@ -43,6 +43,9 @@ class Config:
     memory_p_short: float = 0.25
     """Memory task: fraction of short RL episodes (question before any compaction). They keep the
     answer-from-context skill rewarded; only the compacted episodes measure summary learning."""
+    memory_filler: int = 0
+    """Memory task: words of padding after every observation line. Windows then grow by what the
+    environment returns, as an agent's do, so a long-context check needs few sampled tokens."""
     memory_max_key_at: int = 2
     """Memory task: at most this many distractors come before the key in RL episodes."""
     # --- rollout with compaction (SPEC §1) --------------------------------------------------
@@ -174,7 +177,23 @@ class Config:
     mixed_precision: bool = True
     """bf16 params with fp32 reduction on GPU (ignored on CPU)."""
     activation_checkpointing: bool = False
-    """Recompute decoder-layer activations in backward."""
+    """Recompute decoder-layer activations in backward: a layer keeps only its input (T·H values)
+    instead of everything autograd saves (memory_plan.py), for a second forward's compute."""
+    cpu_offload: bool = False
+    """FSDP2 CPU offload: the sharded fp32 parameters, gradients and Adam moments of actor and
+    critic live in host memory and the optimizer steps there; the device holds the gathered layers
+    and the activations. For a model whose states do not fit beside the engine; slower updates."""
+    plan: bool = False
+    """Print the memory plan of this configuration (per rank: every component in every phase of a
+    step) and exit, loading no model: status 0 when it fits, 1 naming the flags that would make it
+    fit. Every run checks the same plan before loading a model."""
+    plan_world: int = 0
+    """--plan for this many ranks (0 = the world size launched)."""
+    plan_device: Literal["auto", "cuda", "cpu"] = "auto"
+    """--plan for this kind of device (auto = the one here)."""
+    device_memory_gib: float = 0.0
+    """Memory of one rank's device, GiB, that the plan must fit. 0 = the GPU's own total, or on a
+    CPU the host's shared by the ranks of this machine. Set it to plan for a device not here."""
     tensorboard: bool = False
     """Also log to TensorBoard (out_dir/tb; needs `pip install tensorboard`)."""
     wandb: bool = False

@@ -5,6 +5,7 @@ byte-level BPE with each family's special tokens, pre-tokenizer split and chat t
     tok = family_tokenizer("qwen3")
     codec = ChatCodec(tok, FAMILIES["qwen3"].template_kwargs(thinking=False))
 """
+import copy
 import functools
 import os
 from dataclasses import dataclass, field
@@ -59,9 +60,14 @@ def chat_template(name):
         return f.read()
 
 
+def family_tokenizer(name):
+    """A PreTrainedTokenizerFast with the family's special tokens, split and chat template (a
+    copy of its own: the caller may change it)."""
+    return copy.deepcopy(_family_tokenizer(name))
+
+
 @functools.lru_cache(maxsize=None)
-def family_tokenizer(name, vocab_size=700):
-    """A PreTrainedTokenizerFast with the family's special tokens, split and chat template."""
+def _family_tokenizer(name, vocab_size=700):
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     fam = FAMILIES[name]

@@ -84,6 +84,11 @@ def test_rope_scaling_gives_the_trainer_the_engines_positions(checks):
     assert checks["yarn_vs_plain_rope_diff"] > 1e-2
 
 
+def test_the_engine_takes_the_share_of_the_device_it_is_given(checks):
+    """train.py gives vLLM the memory plan's share (gpu_memory_utilization), not vLLM's 0.9."""
+    assert checks["memory_fraction"] == 0.125
+
+
 def test_an_empty_push_is_refused(checks):
     for k in ("empty_list", "empty_generator"):
         assert "got no tensors" in checks[k], checks[k]

@@ -186,7 +186,9 @@ def main(out_path, work):
     scaling = (4.0, 64)
     fsdp.init_distributed()  # the environment train.py gives a second engine (rank variables)
     yarn_engine = VLLMEngine(short, max_model_len=256, seed=7, kv_cache_bytes=32 << 20,
-                             hf_overrides=rope_overrides(AutoConfig.from_pretrained(short), scaling))
+                             hf_overrides=rope_overrides(AutoConfig.from_pretrained(short), scaling),
+                             memory_fraction=0.125)  # the memory plan's share reaches vLLM's config
+    r["memory_fraction"] = yarn_engine.llm.llm_engine.vllm_config.cache_config.gpu_memory_utilization
     long_prompts = prompts_of(codec, 3, min_len=150, n_lines=60)
     g_long = yarn_engine.generate(long_prompts, [24] * 3, T, [eos])
     r["yarn_longest"] = max(len(p) + len(g.token_ids) for p, g in zip(long_prompts, g_long))
