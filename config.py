@@ -20,6 +20,15 @@ class Config:
     """Embedded tiny model: decoder layers."""
     tiny_heads: int = 4
     """Embedded tiny model: attention heads (head_dim is 32, what vLLM's CPU backend accepts)."""
+    rope_scaling: tuple[float, int] | None = None
+    """YaRN RoPE scaling as FACTOR ORIGINAL (original = the positions the model was trained on):
+    positions up to FACTOR × ORIGINAL. Passed identically to the trainer's model config and to
+    vLLM, so both compute the same positions. Qwen3's documented long-context setting: 4 32768.
+    None: the checkpoint's own positions. The longest sequence must fit (checked at start)."""
+    thinking: bool = True
+    """Render the chat template with enable_thinking (Qwen3, GLM-4.5): --no-thinking gives every
+    turn the template's empty reasoning block, so the policy answers directly. Templates without
+    the switch ignore it. The environment reads commands from the answer after any reasoning."""
     task: Literal["memory", "swe"] = "memory"
     """memory: the built-in CPU task (memory_task.py); swe: SWE task rows from `tasks`."""
     tasks: str = ""
@@ -54,6 +63,9 @@ class Config:
     memory_p_short: float = 0.25
     """Memory task: fraction of short RL episodes (question before any compaction). They keep the
     answer-from-context skill rewarded; only the compacted episodes measure summary learning."""
+    memory_filler: int = 0
+    """Memory task: words of padding after every observation line. Windows then grow by what the
+    environment returns, as an agent's do, so a long-context check needs few sampled tokens."""
     memory_max_key_at: int = 2
     """Memory task: at most this many distractors come before the key in RL episodes."""
     # --- rollout with compaction (SPEC §1) --------------------------------------------------
@@ -89,7 +101,8 @@ class Config:
     trainer shares the device. Must hold one max_model_len sequence; more = more rollouts at once."""
     # --- batch ------------------------------------------------------------------------------
     steps: int = 50
-    """Training steps (each: rollouts, critic updates, one policy update)."""
+    """Training steps (each: rollouts, critic updates and, after the first value_pretrain_steps, one
+    policy update). Must exceed value_pretrain_steps, or 0 (the warm-up alone)."""
     rollouts_per_step: int = 128
     """Global rollouts per step, split over ranks. Paper: 128 (group size 1)."""
     group_size: int = 1
@@ -184,7 +197,23 @@ class Config:
     mixed_precision: bool = True
     """bf16 params with fp32 reduction on GPU (ignored on CPU)."""
     activation_checkpointing: bool = False
-    """Recompute decoder-layer activations in backward."""
+    """Recompute decoder-layer activations in backward: a layer keeps only its input (T·H values)
+    instead of everything autograd saves (memory_plan.py), for a second forward's compute."""
+    cpu_offload: bool = False
+    """FSDP2 CPU offload: the sharded fp32 parameters, gradients and Adam moments of actor and
+    critic live in host memory and the optimizer steps there; the device holds the gathered layers
+    and the activations. For a model whose states do not fit beside the engine; slower updates."""
+    plan: bool = False
+    """Print the memory plan of this configuration (per rank: every component in every phase of a
+    step) and exit, loading no model: status 0 when it fits, 1 naming the flags that would make it
+    fit. Every run checks the same plan before loading a model."""
+    plan_world: int = 0
+    """--plan for this many ranks (0 = the world size launched)."""
+    plan_device: Literal["auto", "cuda", "cpu"] = "auto"
+    """--plan for this kind of device (auto = the one here)."""
+    device_memory_gib: float = 0.0
+    """Memory of one rank's device, GiB, that the plan must fit. 0 = the GPU's own total, or on a
+    CPU the host's shared by the ranks of this machine. Set it to plan for a device not here."""
     tensorboard: bool = False
     """Also log to TensorBoard (out_dir/tb; needs `pip install tensorboard`)."""
     wandb: bool = False
@@ -200,13 +229,16 @@ PRESETS = {
                    max_summary_tokens=256, max_observation_tokens=512, max_turns=8, steps=20,
                    rollouts_per_step=8, mini_batches=2, value_pretrain_steps=1, warmup_steps=0)),
     "swe-paper": ("the paper's SWE settings (Docker sandboxes, C 65536, T_comp 10240, K 3, 128 rollouts, "
-                  "lrs 2e-6/3e-6, 2 critic updates, 50 value pre-training steps); give --model and --tasks",
+                  "lrs 2e-6/3e-6, 2 critic updates, 50 value pre-training steps, 300 steps) on GPUs with "
+                  "vLLM, sized by the memory plan for 8B on 80 GB (activation checkpointing, optimizer "
+                  "states offloaded to the CPU, a 40 GiB KV cache); give --model, --tasks and, for a "
+                  "model whose positions end before the longest window, --rope-scaling",
                   Config(preset="swe-paper", task="swe", sandbox="docker", context_budget=65536,
                          reserve=10240, max_action_tokens=10240, max_summary_tokens=10240, max_compactions=3,
                          max_turns=250, rollouts_per_step=128, group_size=1, mini_batches=1, ppo_epochs=1,
-                         actor_lr=2e-6, critic_lr=3e-6, critic_updates=2, value_pretrain_steps=50,
-                         warmup_steps=0, entropy_coef=0.0, kl_coef=0.0, activation_checkpointing=True,
-                         kv_cache_gib=20.0)),
+                         actor_lr=2e-6, critic_lr=3e-6, critic_updates=2, value_pretrain_steps=50, steps=300,
+                         warmup_steps=0, entropy_coef=0.0, kl_coef=0.0, engine="vllm",
+                         activation_checkpointing=True, cpu_offload=True, kv_cache_gib=40.0)),
 }
 """name: (what it is for, its Config). Flags given with a preset override its values."""
 
@@ -266,4 +298,8 @@ def finalize(cfg, world):
     assert cfg.env_workers >= 1 and cfg.command_timeout > 0 and cfg.eval_timeout > 0, \
         "env_workers, command_timeout and eval_timeout must be positive"
     assert not (cfg.resume and cfg.overwrite), "--resume continues the run in out_dir, --overwrite replaces it"
+    assert cfg.steps == 0 or cfg.steps > cfg.value_pretrain_steps, \
+        (f"--steps {cfg.steps} with --value-pretrain-steps {cfg.value_pretrain_steps}: steps 0 to "
+         f"{cfg.value_pretrain_steps - 1} train only the critic, so the policy would never be updated; raise "
+         f"--steps or lower --value-pretrain-steps")
     return per_rank

@@ -62,6 +62,20 @@ def fenced_blocks(text: str) -> list[tuple[str, str]]:
     return blocks
 
 
+def split_reasoning(text: str) -> tuple[str, str]:
+    """(reasoning, answer) of one turn of a reasoning model (Qwen3, GLM-4.5: `<think>…</think>`
+    then the answer). The reasoning runs to the last `</think>`, as the chat templates cut it;
+    a turn that opens `<think>` and never closes it (cut at the length cap while reasoning) is all
+    reasoning, with no answer. Commands and answers are read from the answer only: a command
+    sketched while reasoning is not run."""
+    if "</think>" in text:
+        reasoning, close, answer = text.rpartition("</think>")
+        return reasoning + close, answer
+    if "<think>" in text:
+        return text, ""
+    return "", text
+
+
 def parse_action(text: str) -> tuple[str | None, str | None]:
     """(command, None), or (None, a message telling the agent the expected format)."""
     blocks = [body for language, body in fenced_blocks(text) if language in COMMAND_LANGUAGES]

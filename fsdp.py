@@ -22,7 +22,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_model_state_dict,
                                                      set_state_dict)
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 import rundir
 
@@ -90,31 +91,35 @@ def decoder_layers(module):
     names = set()
     for m in module.modules():
         names.update(getattr(m, "_no_split_modules", None) or [])
-    layers = [m for m in module.modules() if type(m).__name__ in names]
+    # the class or a base: fully_shard swaps a module's class for a subclass (FSDP<name>)
+    layers = [m for m in module.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not layers:
         raise ValueError(f"no decoder layers found in {type(module).__name__} "
                          f"(looked for classes {sorted(names)})")
     return layers
 
 
-def shard(module, device, mixed_precision, activation_checkpointing=False):
+def shard(module, device, mixed_precision, activation_checkpointing=False, cpu_offload=False):
     """fully_shard each decoder layer, then the root (SPEC §6). The root owns the embeddings,
-    final norm and heads; its forward gathers them once per call."""
+    final norm and heads; its forward gathers them once per call. cpu_offload: the sharded fp32
+    parameters, their gradients and hence the optimizer's states live in host memory (pinned on
+    a GPU machine: FSDP2 moves them there when it first runs), and the optimizer steps there."""
     mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision \
         else MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     if activation_checkpointing:
         for m in module.modules():
             if hasattr(m, "gradient_checkpointing_enable"):
                 m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
                 break
     for layer in decoder_layers(module):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(module, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=offload)
     return module
 
 
-def load_sharded(build, device, mixed_precision, activation_checkpointing=False):
+def load_sharded(build, device, mixed_precision, activation_checkpointing=False, cpu_offload=False):
     """Build a module on rank 0 from its checkpoint and on the other ranks on the meta device
     (no memory), shard it, then broadcast rank 0's weights into the shards. This is what lets a
     100B model load without every rank holding a full copy.
@@ -130,7 +135,11 @@ def load_sharded(build, device, mixed_precision, activation_checkpointing=False)
         with torch.device("meta"):
             module = build(True)
         full, buffers = {}, {}
-    module = shard(module, device, mixed_precision, activation_checkpointing)
+    # Training mode on every rank: from_pretrained returns a model in eval mode (rank 0) and
+    # from_config one in training mode (the others), and transformers checkpoints a layer's
+    # activations only in training mode.
+    module.train()
+    module = shard(module, device, mixed_precision, activation_checkpointing, cpu_offload)
     module.to_empty(device=device) if rank != 0 else module.to(device)
     set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True,
                                                                 broadcast_from_rank0=True))
@@ -146,6 +155,44 @@ def full_state_dict(module, cpu_offload=False):
     """Unsharded weights on every rank (a collective: every rank must call it, in step)."""
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True,
                                                                  cpu_offload=cpu_offload))
+
+
+def iter_full_tensors(module, device, dtype):
+    """(name, full tensor) for each entry of the module's state dict, one at a time: the local
+    shard is moved to `device` (from the host, with CPU offload) and cast to `dtype` (the
+    receiver's), then gathered. A collective: every rank must iterate in step, to the end. Only
+    the tensor being yielded is held here, so what a weight push adds to memory is its largest
+    tensor, not a copy of the model."""
+    for name, t in module.state_dict().items():
+        t = t.detach()
+        yield name, _gather_rows(t, device, dtype) if isinstance(t, DTensor) else t.to(device=device, dtype=dtype)
+
+
+def _gather_rows(t, device, dtype):
+    """The full tensor of an FSDP2 shard (rows split over a 1-D mesh as torch.chunk splits them: the
+    first ranks ceil(n/W) rows each), gathered in one all-gather straight into its own buffer.
+    DTensor.full_tensor would hold two full copies at once."""
+    if t.device_mesh.ndim != 1 or [p.dim for p in t.placements if p.is_shard()] != [0]:
+        raise ValueError(f"expected an FSDP2 shard of rows over one mesh dimension, got {t.placements}")
+    local = t.to_local().to(device=device, dtype=dtype)
+    world, n = t.device_mesh.size(), t.shape[0]
+    rows = -(-n // world)
+    if local.shape[0] != rows:  # the last ranks hold fewer rows (or none): pad to the common size
+        local = torch.cat([local, local.new_zeros(rows - local.shape[0], *t.shape[1:])])
+    out = local.new_empty(rows * world, *t.shape[1:])
+    _ALL_GATHER_SINGLE(out, local.contiguous(), group=t.device_mesh.get_group())
+    return out[:n]
+
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns)
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def release_cached_memory():
+    """Return the blocks torch's CUDA caching allocator keeps but no tensor uses to the device,
+    so another allocator (vLLM's, waking its weights and KV cache) can have them. A no-op on CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def all_reduce(x, op=dist.ReduceOp.SUM):

@@ -49,9 +49,10 @@ def symbols(n):
     return [chr(ord("A") + i) for i in range(n)]
 
 
-def make_tasks(n, seed, n_keys=4, n_noise=6, p_short=0.0, max_noise_short=2, max_key_at=2):
-    """n task rows {"task_id", "key", "noise": [symbols], "key_at"}: the key (uniform over n_keys)
-    is shown after key_at of the distractors."""
+def make_tasks(n, seed, n_keys=4, n_noise=6, p_short=0.0, max_noise_short=2, max_key_at=2, filler=0):
+    """n task rows {"task_id", "key", "noise": [symbols], "key_at", "filler"}: the key (uniform over
+    n_keys) is shown after key_at of the distractors; `filler` words of padding follow every
+    observation line (windows then grow by observations, as an agent's do, not by sampled tokens)."""
     rng = random.Random(seed)
     alphabet = symbols(n_keys)
     rows = []
@@ -59,7 +60,7 @@ def make_tasks(n, seed, n_keys=4, n_noise=6, p_short=0.0, max_noise_short=2, max
         steps = rng.randint(0, max_noise_short) if rng.random() < p_short else n_noise
         rows.append({"task_id": f"memory-{seed}-{i}", "key": rng.choice(alphabet),
                      "noise": [rng.choice(alphabet) for _ in range(steps)],
-                     "key_at": rng.randint(0, min(max_key_at, steps))})
+                     "key_at": rng.randint(0, min(max_key_at, steps)), "filler": filler})
     return rows
 
 
@@ -79,7 +80,9 @@ class MemoryEnv:
     def observations(self):
         noise = [f"noise {s}" for s in self.row["noise"]]
         at = self.row.get("key_at", 0)
-        return noise[:at] + [f"key {self.row['key']}"] + noise[at:] + [QUESTION]
+        lines = noise[:at] + [f"key {self.row['key']}"] + noise[at:]
+        pad = "\n" + " ".join(["pad"] * self.row["filler"]) if self.row.get("filler") else ""
+        return [line + pad for line in lines] + [QUESTION]
 
     def step(self, action):
         self.turn += 1

@@ -73,9 +73,10 @@ def build_tiny_model(out_dir, vocab_size=1024, hidden_size=64, num_layers=2, num
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(_tokenizer_corpus(), trainer)
+    # no model_max_length: the model's config holds its position limit (vLLM would cap a rope-
+    # scaled model's length at the tokenizer's)
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>",
-                                     eos_token="<|end|>", padding_side="left",
-                                     model_max_length=max_positions)
+                                     eos_token="<|end|>", padding_side="left")
     hf_tok.chat_template = CHAT_TEMPLATE
     pad_id, eos_id = hf_tok.convert_tokens_to_ids(["<|endoftext|>", "<|end|>"])
     cfg = Qwen3Config(vocab_size=len(hf_tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
@@ -94,15 +95,47 @@ def build_tiny_model(out_dir, vocab_size=1024, hidden_size=64, num_layers=2, num
     return out_dir
 
 
+def hf_config(path, rope_scaling=None):
+    """The model's transformers config as train.py runs it, on the trainer and in every engine:
+    `rope_overrides` applied, and dropout off (the sampler never drops out, and PPO's ratio
+    compares the trainer with it; the trainer runs in training mode, where dropout would act)."""
+    from transformers import AutoConfig
+    cfg = AutoConfig.from_pretrained(path)
+    for key, value in rope_overrides(cfg, rope_scaling).items():
+        setattr(cfg, key, value)
+    for key, value in list(vars(cfg).items()):
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float):
+            setattr(cfg, key, 0.0)
+    return cfg
+
+
+def rope_overrides(hf_cfg, rope_scaling):
+    """Config keys that switch the model's RoPE to YaRN (Peng et al. 2023) with
+    rope_scaling = (factor, original max positions): positions up to factor × original, the
+    model's new limit. The same dict goes to the trainer's config (`hf_config`) and to vLLM
+    (`hf_overrides`), so both compute the same positions. {} when rope_scaling is None."""
+    if rope_scaling is None:
+        return {}
+    factor, original = rope_scaling
+    if factor <= 1 or original <= 0:
+        raise ValueError(f"--rope-scaling needs a factor > 1 and an original length > 0, got {rope_scaling}")
+    rope = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original),
+            "rope_theta": (hf_cfg.rope_parameters or {}).get("rope_theta", getattr(hf_cfg, "rope_theta", None))}
+    if rope["rope_theta"] is None:
+        raise ValueError(f"--rope-scaling: the {hf_cfg.model_type} config has no rope_theta; is it a RoPE model?")
+    return {"rope_parameters": rope, "max_position_embeddings": int(factor * original)}
+
+
 def load_tokenizer(path):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_policy(path, dtype=torch.float32, device="cpu"):
-    """The policy: any causal LM by Hugging Face id or local path."""
+def load_policy(path, dtype=torch.float32, device="cpu", config=None):
+    """The policy: any causal LM by Hugging Face id or local path (with `config`, e.g.
+    `hf_config`'s, instead of its own)."""
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, config=config).to(device)
 
 
 class Actor(nn.Module):
@@ -195,14 +228,38 @@ def export_pretrained(lm, tokenizer, out_dir, state_dict=None):
 # points, which no template emits. The contents themselves never pass through the template.
 _SLOT = "\ue000{}\ue001"
 _SLOT_RE = re.compile("\ue000(\\d+)\ue001")
+# The content of the probe assistant turn, after which `after_turn` reads what a template renders.
+_TURN = "\ue002"
+# Probe messages with whitespace around their content: they tell whether a template keeps it.
+_HEAD = [{"role": "system", "content": " \nsys\n "}, {"role": "user", "content": "\n usr \n"}]
 
 
 class ChatCodec:
-    """Token-in/token-out chat rendering for templates that render messages independently
-    (ChatML and its kin: ours, Qwen, Phi-3, ...). Checked at construction; other templates get an error.
+    """Token-in/token-out chat rendering with a model's own chat template.
 
-    ids = prompt(messages) then, per turn: gen_prompt, sampled ids, close(sampled ids, stopped),
-    message(observation), ... Every piece is tokenized once, and the context is their concatenation.
+    A context is built once, piece by piece, and never re-rendered: prompt([system, user]),
+    gen_prompt, the sampled ids, after_turn(sampled ids, observation), gen_prompt, ... and, after
+    a message, message(m) (the summary instruction after an observation). Every piece is
+    tokenized once; the trainer scores exactly the ids the sampler saw.
+
+    What a template must do for this, checked at construction (a template that does not is
+    refused, naming the reason, before any model loads):
+    * A non-assistant message renders the same whatever came before it: message(m) is the text
+      that render(h + [m]) adds to render(h).
+    * After an assistant turn come a fixed close (possibly empty) and then message(m). The
+      template may render the assistant turn itself differently once it is no longer the last:
+      Qwen3 and GLM-4.5 drop the reasoning of earlier turns, and Qwen3 gives only the last turn
+      an empty <think></think> block. The context keeps the ids the policy sampled, as it sampled
+      them; only what follows them is taken from the template (the delta it renders for the next
+      message). So past reasoning stays in the context, where the template would drop it.
+    * The first token after the assistant's content is a special token: the one the policy
+      samples to end its turn, `stop_ids` (<|im_end|> in ChatML, <|eot_id|> in Llama 3; in
+      GLM-4.5, which has no end-of-turn token, the next message's role token <|user|>). When the
+      policy sampled it, `after_turn` continues after it; after a turn cut at the length cap it
+      is injected. Observations and instructions are user messages, so that is the role probed.
+    * Content renders verbatim, or stripped of surrounding whitespace (Llama 3's `| trim`): then
+      it is stripped here first, and renders verbatim.
+    `template_kwargs` (e.g. {"enable_thinking": False}) go to every rendering.
 
     Special tokens come only from the template's own text. The rendered text is cut at them, and
     every stretch between two of them (template text and message content alike) is encoded with
@@ -217,41 +274,52 @@ class ChatCodec:
     a private copy that nothing else touches, so it may be called from any thread.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, template_kwargs=None):
         self.tok = tokenizer
-        sys_user = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
-        base = self._render(sys_user)
-        with_gp = self._render(sys_user, add_generation_prompt=True)
-        with_a = self._render(sys_user + [{"role": "assistant", "content": "XYZ"}])
-        if not with_gp.startswith(base) or not with_a.startswith(base):
-            raise ValueError("chat template does not render messages independently (a prefix "
-                             "changed when a message was added); token-in/token-out needs it")
-        gen_prompt = with_gp[len(base):]
-        after = with_a[len(base):]
-        if not after.startswith(gen_prompt) or "XYZ" not in after:
-            raise ValueError(f"cannot locate the assistant turn in the template output {after!r}")
-        self._dummy = sys_user + [{"role": "assistant", "content": "XYZ"}]
-        self._dummy_text = with_a
-        turn_end = after[after.index("XYZ") + 3:]
-        eos_text = tokenizer.eos_token
-        if not turn_end.startswith(eos_text):
-            raise ValueError(f"the assistant turn must end with eos {eos_text!r}, got {turn_end!r}")
+        self.template_kwargs = dict(template_kwargs or {})
+        self._strip = self._content_rule()
+        base = self._render(_HEAD)
+        with_gp = self._render(_HEAD, add_generation_prompt=True)
+        if not with_gp.startswith(base):
+            raise ValueError("chat template: the generation prompt changes the messages before it; "
+                             "token-in/token-out appends it to them")
+        self._turn = _HEAD + [{"role": "assistant", "content": _TURN}]
+        probe = {"role": "user", "content": "V"}
+        after_message, after_turn = self._delta(_HEAD, probe), self._delta(self._turn, probe)
+        if after_turn[1:] != after_message[1:] or not after_turn[0].endswith(after_message[0]):
+            raise ValueError(f"chat template: a user message renders as {''.join(after_turn)!r} after an "
+                             f"assistant turn but as {''.join(after_message)!r} after a message; "
+                             f"token-in/token-out needs the same message after a fixed turn close")
         self._inert = _inert_backend(tokenizer)
         self._special = _special_token_ids(tokenizer)
         # longest first: a regex alternation takes the first alternative that matches, and the
         # tokenizer matches the longest special token at a position
         names = sorted(self._special, key=len, reverse=True)
         self._special_re = re.compile("(" + "|".join(map(re.escape, names)) + ")" if names else "(?!)")
-        # fail here, not in the middle of a run, when the template trims or rewrites content
-        self._pieces([{"role": "system", "content": " \nS\n "}, {"role": "user", "content": "\n U \n"}])
-        self.gen_prompt = self._encode_pieces([gen_prompt])
-        self.close_after_stop = self._encode_pieces([turn_end[len(eos_text):]])
-        self.close_after_cut = self._encode_pieces([turn_end])
-        self.stop_ids = [tokenizer.eos_token_id]
+        ids = self._encode_pieces(after_turn)
+        if ids[0] not in self._special.values():
+            raise ValueError(f"chat template: an assistant turn is followed by {after_turn[0]!r}, which does "
+                             f"not start with a special token the policy could sample to end its turn")
+        self._stop = ids[0]
+        self.stop_ids = [ids[0]]  # what the engines stop on
+        self.gen_prompt = self._encode_pieces([with_gp[len(base):]])
 
     def _render(self, messages, add_generation_prompt=False):
-        return self.tok.apply_chat_template(messages, tokenize=False,
-                                            add_generation_prompt=add_generation_prompt)
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                            **self.template_kwargs)
+
+    def _content_rule(self):
+        """True when the template strips message content (then the codec strips it first), False
+        when it renders content verbatim; any other rewrite is refused."""
+        for strip in (False, True):
+            self._strip = strip
+            try:
+                self._pieces(_HEAD)
+                return strip
+            except _ContentChanged:
+                pass
+        raise ValueError("chat template changes message content beyond stripping whitespace; inert "
+                         "content needs it rendered verbatim")
 
     def encode(self, text):
         """The tokenizer's plain encoding: special-token strings become special ids. For template
@@ -268,11 +336,36 @@ class ChatCodec:
         return self._encode_pieces(self._pieces(messages))
 
     def message(self, message):
-        """Ids of one non-assistant message as it renders after an assistant turn."""
-        pieces = self._pieces(self._dummy + [message], first=len(self._dummy))
-        if not pieces[0].startswith(self._dummy_text):
-            raise ValueError("chat template re-rendered earlier messages when one was appended")
-        return self._encode_pieces([pieces[0][len(self._dummy_text):]] + pieces[1:])
+        """Ids of one non-assistant message as it renders after another message."""
+        return self._encode_pieces(self._delta(_HEAD, message))
+
+    def after_turn(self, sampled_ids, message):
+        """Ids that follow a sampled assistant turn: the rest of its close, then `message` (a user
+        message). The stop token is not repeated when the policy sampled it; after a turn cut at
+        the length cap it is injected."""
+        ids = self._encode_pieces(self._delta(self._turn, message))
+        if ids[:1] != [self._stop]:
+            raise ValueError(f"a {message['role']!r} message after an assistant turn does not start with the "
+                             f"turn's stop token {self._stop} (probed with a user message)")
+        stopped = len(sampled_ids) > 0 and sampled_ids[-1] in self.stop_ids
+        return ids[1:] if stopped else ids
+
+    def _delta(self, history, message):
+        """[text, content, text]: what rendering `message` after `history` adds. After a message,
+        the rendering of `history` must not change; after the probe assistant turn, what follows
+        its content is taken (the turn itself may render differently once it is not the last)."""
+        pieces = self._pieces(history + [message], first=len(history))
+        if history[-1]["role"] == "assistant":
+            at = pieces[0].rfind(_TURN)
+            if at < 0:
+                raise ValueError("chat template drops the content of an earlier assistant turn")
+            pieces[0] = pieces[0][at + len(_TURN):]
+            return pieces
+        before = self._render(history)
+        if not pieces[0].startswith(before):
+            raise ValueError("chat template re-rendered earlier messages when a message was appended")
+        pieces[0] = pieces[0][len(before):]
+        return pieces
 
     def _pieces(self, messages, first=0):
         """The template's rendering of `messages`, cut around the content of messages[first:]:
@@ -282,10 +375,11 @@ class ChatCodec:
         pieces = _SLOT_RE.split(self._render(slotted))  # slot numbers at the odd positions
         if pieces[1::2] != [str(i) for i in range(len(messages) - first)]:
             raise ValueError("chat template does not render each message's content once, in order")
-        pieces[1::2] = [m["content"] for m in messages[first:]]
+        pieces[1::2] = [m["content"].strip() if self._strip else m["content"] for m in messages[first:]]
         if "".join(pieces) != self._render(messages):
-            raise ValueError("chat template changes message content (trims or rewrites it); "
-                             "inert content needs it rendered verbatim")
+            raise _ContentChanged("chat template changes message content (rewrites it, or renders "
+                                  "around it depending on what it says); inert content needs it "
+                                  "rendered verbatim")
         return pieces
 
     def _encode_pieces(self, pieces):
@@ -304,14 +398,12 @@ class ChatCodec:
                     stretch += part
         return ids + self.encode_text(stretch)
 
-    def close(self, sampled_ids):
-        """Ids that end an assistant turn: the template's suffix after eos when the model stopped,
-        or eos + suffix when generation was cut at the length limit."""
-        stopped = len(sampled_ids) > 0 and sampled_ids[-1] in self.stop_ids
-        return self.close_after_stop if stopped else self.close_after_cut
-
     def decode(self, ids):
         return self.tok.decode(ids, skip_special_tokens=True)
+
+
+class _ContentChanged(ValueError):
+    """A template rendered message content other than verbatim (or stripped, where it strips)."""
 
 
 def _special_token_ids(tokenizer):

@@ -13,6 +13,7 @@ never re-tokenized from text, so trainer ids equal sampler ids token for token.
 Token layout of one window (G = generation prompt, E = turn close, O = observation message):
     prompt = s ⊕ u  (or s ⊕ u_resume(S) ⊕ tail steps)
     step i = G  A_i  E  O_i           (A_i sampled; G, E, O_i injected; atomic: never split)
+The environment sees the answer of each turn, after any reasoning block (env.split_reasoning).
     end    = q_sum-message G  S       (summary instruction, then the sampled summary S)
 """
 import concurrent.futures as cf
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from compaction import SUMMARY_INSTRUCTION, can_compact, resume_text, select_tail, should_compact
+from env import split_reasoning
 
 TRAINABLE_KINDS = ("action", "summary")
 log = logging.getLogger(__name__)
@@ -44,8 +46,12 @@ class Engine:
         """prompts: list of token-id lists; max_new_tokens: one int per prompt. -> [Generation]"""
         raise NotImplementedError
 
+    dtype = torch.float32
+    """The dtype the engine computes in: pushed weights are cast to it before they are gathered."""
+
     def load_weights(self, named_tensors):
-        """Replace the weights with (name, tensor) pairs in Hugging Face naming."""
+        """Replace the weights with (name, tensor) pairs in Hugging Face naming, from any iterable:
+        a generator streams them (each is copied in before the next is made)."""
         raise NotImplementedError
 
     def sleep(self):
@@ -66,6 +72,7 @@ class HFEngine(Engine):
     def __init__(self, model, pad_token_id):
         self.model = model.eval()
         self.pad = pad_token_id
+        self.dtype = next(model.parameters()).dtype
 
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens, temperature, stop_token_ids):
@@ -98,25 +105,39 @@ class HFEngine(Engine):
             results.append(Generation(toks, lps, "stop" if stopped else "length"))
         return results
 
+    @torch.no_grad()
     def load_weights(self, named_tensors):
-        self.model.load_state_dict(dict(named_tensors), strict=False)
+        own = self.model.state_dict()  # views of the parameters (tied ones under each name)
+        for name, t in named_tensors:
+            if name not in own:
+                raise KeyError(f"HFEngine.load_weights: {name} is not a weight of {type(self.model).__name__}")
+            own[name].copy_(t)
 
 
 def make_engine(kind, model_path, pad_token_id, device, seed=0, max_model_len=None, kv_cache_bytes=None,
-                dtype=None):
+                dtype=None, rope_scaling=None, memory_fraction=None):
     """The rollout engine for `model_path`: kind is "hf", "vllm" or "auto" (vLLM when it is
     installed and a GPU is present). vllm_engine is imported only when vLLM is asked for; options
-    left at None keep VLLMEngine's defaults. `seed` is vLLM's sampling seed: HFEngine samples from
-    torch's global RNG, so a reproducible HF rollout is seeded with torch.manual_seed by its caller."""
+    left at None keep VLLMEngine's defaults (HFEngine's dtype: float32). Both engines run the model
+    with the config the trainer uses (model.hf_config: `rope_scaling` applied). `seed` is vLLM's sampling seed:
+    HFEngine samples from torch's global RNG, so a reproducible HF rollout is seeded with
+    torch.manual_seed by its caller."""
     if kind == "auto":
         import importlib.util
         kind = "vllm" if torch.cuda.is_available() and importlib.util.find_spec("vllm") else "hf"
     if kind == "vllm":
+        from transformers import AutoConfig
+
+        from model import rope_overrides
         from vllm_engine import VLLMEngine
-        opts = {k: v for k, v in (("kv_cache_bytes", kv_cache_bytes), ("dtype", dtype)) if v is not None}
-        return VLLMEngine(model_path, max_model_len=max_model_len, seed=seed, **opts)
-    from model import load_policy
-    return HFEngine(load_policy(model_path, device=device), pad_token_id)
+        opts = {k: v for k, v in (("kv_cache_bytes", kv_cache_bytes), ("memory_fraction", memory_fraction),
+                                  ("dtype", dtype)) if v is not None}
+        return VLLMEngine(model_path, max_model_len=max_model_len, seed=seed,
+                          hf_overrides=rope_overrides(AutoConfig.from_pretrained(model_path), rope_scaling),
+                          **opts)
+    from model import hf_config, load_policy
+    return HFEngine(load_policy(model_path, dtype=getattr(torch, dtype or "float32"), device=device,
+                                config=hf_config(model_path, rope_scaling)), pad_token_id)
 
 
 @dataclass
@@ -286,7 +307,7 @@ def _compact(engine, codec, states, cfg, trainable=True):
                            cfg.temperature, codec.stop_ids)
     for s, g in zip(states, gens):
         s.seg.append(g.token_ids, "summary", g.logprobs, trainable=trainable)
-        summary = codec.decode(g.token_ids).split("</think>")[-1].strip()  # drop a reasoning block
+        summary = split_reasoning(codec.decode(g.token_ids))[1].strip()
         s.ep.summaries.append(summary)
         s.ep.compactions += 1
         head = codec.prompt([{"role": "system", "content": s.system},
@@ -319,7 +340,7 @@ def _act(engine, codec, live, cfg, pool):
     for s, g in zip(live, gens):
         s.seg.append(g.token_ids, "action", g.logprobs)
         s.ep.turns += 1
-        texts.append(codec.decode(g.token_ids))
+        texts.append(split_reasoning(codec.decode(g.token_ids))[1])  # the environment acts on the answer
     results = list(pool.map(_env_step, live, texts))
     for s, g, step in zip(live, gens, results):
         if step is None:  # the environment itself failed: end this episode, keep the others
@@ -330,7 +351,7 @@ def _act(engine, codec, live, cfg, pool):
             _end(s, "submitted")
             continue
         obs = clip_tokens(codec, step.observation, cfg.max_observation_tokens)
-        eo = codec.close(g.token_ids) + codec.message({"role": "user", "content": obs})
+        eo = codec.after_turn(g.token_ids, {"role": "user", "content": obs})
         s.seg.append(eo, "observation")
         s.steps.append((g.token_ids, eo))
 

@@ -30,48 +30,52 @@ import torch
 import torch.distributed as dist
 
 import fsdp
+import memory_plan
 import memory_task
 import rundir
 from advantage import (adaptive_lambda, concatenated_gae, correction_factor, cross_trajectory_gae,
                        group_advantage, masked_whiten, rollout_lengths, segment_gae)
-from batch import micro_batches, minibatch_indices, pad, to_rows
+from batch import micro_batches, minibatch_indices, pack_micro_batches, pad, to_rows
 from compaction import SUMMARY_INSTRUCTION
 from config import Config, finalize, parse_config
 from loss import finalize_metrics, normalizer_weights, ppo_policy_loss, value_loss
 from metrics import (Logger, explained_variance, merge_sums, plot_curve, reduce_sums, rollout_metrics,
                      segment_share_metrics, timed)
-from model import Actor, ChatCodec, Critic, build_tiny_model, export_pretrained, load_tokenizer
+from model import Actor, ChatCodec, Critic, build_tiny_model, export_pretrained, hf_config, load_tokenizer
 from rollout import RolloutConfig, format_episode, make_engine, run_episodes
 
 
 # --- (0) set-up ---------------------------------------------------------------------------------
 
 def make_models(cfg, model_path, device, actor_only=False):
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM
     mp = cfg.mixed_precision and device.type == "cuda"
-    hf_cfg = AutoConfig.from_pretrained(model_path)
+    hf_cfg = hf_config(model_path, cfg.rope_scaling)
 
     def build_actor(meta):
         lm = AutoModelForCausalLM.from_config(hf_cfg) if meta else \
-            AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            AutoModelForCausalLM.from_pretrained(model_path, config=hf_cfg, dtype=torch.float32)
         return Actor(lm)
 
     def build_critic(meta):
         backbone = AutoModel.from_config(hf_cfg) if meta else \
-            AutoModel.from_pretrained(model_path, dtype=torch.float32)
+            AutoModel.from_pretrained(model_path, config=hf_cfg, dtype=torch.float32)
         return Critic(backbone, hf_cfg.hidden_size)
 
-    actor = fsdp.load_sharded(build_actor, device, mp, cfg.activation_checkpointing)
+    actor = fsdp.load_sharded(build_actor, device, mp, cfg.activation_checkpointing, cfg.cpu_offload)
     if actor_only:
         return actor
-    critic = fsdp.load_sharded(build_critic, device, mp, cfg.activation_checkpointing)
+    critic = fsdp.load_sharded(build_critic, device, mp, cfg.activation_checkpointing, cfg.cpu_offload)
     return actor, critic
 
 
-def engine_for(cfg, model_path, pad_id, device):
+def engine_for(cfg, model_path, pad_id, device, memory_fraction=None):
+    """This rank's rollout engine. memory_fraction: vLLM's share of the device, from the memory
+    plan (memory_plan.engine_fraction), not vLLM's default 0.9 of a device the trainer shares."""
     return make_engine(cfg.engine, model_path, pad_id, device, seed=cfg.seed + dist.get_rank(),
                        max_model_len=max_model_len(cfg), kv_cache_bytes=int(cfg.kv_cache_gib * 2**30),
-                       dtype="bfloat16" if cfg.mixed_precision and device.type == "cuda" else "float32")
+                       dtype="bfloat16" if cfg.mixed_precision and device.type == "cuda" else "float32",
+                       rope_scaling=cfg.rope_scaling, memory_fraction=memory_fraction)
 
 
 def max_model_len(cfg):
@@ -90,7 +94,8 @@ def make_envs(cfg, step, rank, per_rank, warmup=False, swe_rows=None):
         rows = memory_task.make_tasks(n_tasks, seed=(cfg.seed * 1_000_003 + step) * 1009 + rank,
                                       n_keys=cfg.memory_keys, n_noise=cfg.memory_noise,
                                       p_short=cfg.warmup_p_short if warmup else cfg.memory_p_short,
-                                      max_key_at=cfg.warmup_max_key_at if warmup else cfg.memory_max_key_at)
+                                      max_key_at=cfg.warmup_max_key_at if warmup else cfg.memory_max_key_at,
+                                      filler=cfg.memory_filler)
         make = memory_task.MemoryEnv
     else:
         import swe_task
@@ -119,10 +124,10 @@ def rollout_config(cfg):
                          env_workers=cfg.env_workers)
 
 
-def prepare_run(cfg, rank):
+def prepare_run(cfg, rank, world, device):
     """The start-up checks and the run folder (rundir.py), before any model is loaded; a check
     that fails on one rank raises on every rank. Returns (model path, checkpoint to resume or None,
-    the SWE task rows or None)."""
+    the SWE task rows or None, the memory plan: (Shapes, Setup, phases))."""
     swe_rows = fsdp.fail_together(lambda: check_inputs(cfg))
     fsdp.fail_together(lambda: rundir.probe_writable(cfg.out_dir, f".write_probe_rank{rank}"))
     fsdp.fail_together(lambda: rundir.prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite), rank0_only=True)
@@ -138,7 +143,85 @@ def prepare_run(cfg, rank):
         if not cfg.model:  # the embedded default: written by rank 0, read by all
             rundir.ensure_tiny_model(model_path, tiny_model_args(cfg), cfg.resume, build_tiny_model)
     fsdp.fail_together(write_run_files, rank0_only=True)
-    return model_path, resume_from, swe_rows
+    fsdp.fail_together(lambda: check_model(cfg, model_path))
+    setup = memory_setup(cfg, world, device.type == "cuda")
+    shapes, phases = fsdp.fail_together(lambda: check_memory(cfg, model_path, setup))
+    return model_path, resume_from, swe_rows, (shapes, setup, phases)
+
+
+def memory_setup(cfg, world, gpu):
+    """memory_plan.Setup of this config on `world` ranks of a GPU (or CPU)."""
+    import importlib.util
+    engine = cfg.engine if cfg.engine != "auto" else "vllm" if gpu and importlib.util.find_spec("vllm") else "hf"
+    device_bytes = int(cfg.device_memory_gib * 2**30) or \
+        memory_plan.device_bytes(gpu, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return memory_plan.Setup(
+        world=world, gpu=gpu, device_bytes=device_bytes, mixed_precision=cfg.mixed_precision and gpu,
+        engine=engine, window=memory_plan.tokens_per_micro_batch(cfg.micro_batch_tokens, max_model_len(cfg)),
+        longest=max_model_len(cfg),
+        episodes=cfg.rollouts_per_step // world, kv_cache_bytes=int(cfg.kv_cache_gib * 2**30),
+        max_new_tokens=max(cfg.max_action_tokens, cfg.max_summary_tokens),
+        activation_checkpointing=cfg.activation_checkpointing, cpu_offload=cfg.cpu_offload)
+
+
+def check_memory(cfg, model_path, setup):
+    """The memory plan of this run (memory_plan.py) from the model's config: raises, with the plan
+    and the flags that would make it fit, when a phase does not fit the device. Returns (Shapes,
+    {phase: {component: bytes}})."""
+    shapes = memory_plan.model_shapes(hf_config(model_path, cfg.rope_scaling))
+    phases, host = memory_plan.plan(shapes, setup)
+    if not memory_plan.fits(phases, setup):
+        fixes = memory_plan.remedies(shapes, setup, {"kv_cache_gib": cfg.kv_cache_gib})
+        raise MemoryError(memory_plan.describe(shapes, setup, phases, host) + "\n" + (
+            f"It fits with {' or with '.join(fixes)}." if fixes else
+            "No flag of the plan makes it fit: shorten the longest window (--context-budget, --max-summary-tokens, "
+            "--max-observation-tokens), or spread the states over more ranks."))
+    return shapes, phases
+
+
+def print_plan(cfg, world):
+    """--plan: print the memory plan of this configuration, loading no model (the embedded tiny
+    model is built in a temporary folder). Exits with status 1 when it does not fit."""
+    import tempfile
+    world = cfg.plan_world or world
+    finalize(cfg, world)
+    gpu = torch.cuda.is_available() if cfg.plan_device == "auto" else cfg.plan_device == "cuda"
+    if gpu and not torch.cuda.is_available() and not cfg.device_memory_gib:
+        raise ValueError("--plan-device cuda without a GPU here: give its memory with --device-memory-gib")
+    setup = memory_setup(cfg, world, gpu)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = cfg.model or build_tiny_model(tmp, **tiny_model_args(cfg))
+        shapes = memory_plan.model_shapes(hf_config(model_path, cfg.rope_scaling))
+    phases, host = memory_plan.plan(shapes, setup)
+    print(memory_plan.describe(shapes, setup, phases, host))
+    if setup.engine == "vllm" and gpu:
+        print(f"vLLM gpu_memory_utilization: {memory_plan.engine_fraction(shapes, setup)}")
+    if not memory_plan.fits(phases, setup):
+        fixes = memory_plan.remedies(shapes, setup, {"kv_cache_gib": cfg.kv_cache_gib})
+        print(f"It fits with {' or with '.join(fixes)}." if fixes else "No flag of the plan makes it fit.")
+        return 1
+    return 0
+
+
+def check_model(cfg, model_path):
+    """What the model must allow, checked from its config and tokenizer alone: the longest
+    sequence within its positions (RoPE past its range raises in vLLM and silently degrades in
+    transformers), and a chat template the codec can follow."""
+    hf = hf_config(model_path, cfg.rope_scaling)
+    need, limit = max_model_len(cfg), hf.max_position_embeddings
+    if need > limit:
+        scaling = f"YaRN {cfg.rope_scaling}" if cfg.rope_scaling else "no rope scaling"
+        raise ValueError(f"the longest sequence, {need} tokens (--context-budget {cfg.context_budget} + "
+                         f"--max-observation-tokens {cfg.max_observation_tokens} + --max-summary-tokens "
+                         f"{cfg.max_summary_tokens} + 1024), is past {model_path}'s {limit} positions "
+                         f"(max_position_embeddings, {scaling}): lower those flags, or extend the positions "
+                         f"with --rope-scaling FACTOR ORIGINAL (YaRN; Qwen3: --rope-scaling 4 32768)")
+    ChatCodec(load_tokenizer(model_path), template_kwargs(cfg))  # raises, naming what the template lacks
+
+
+def template_kwargs(cfg):
+    """Variables every chat-template rendering gets; templates without them ignore them."""
+    return {"enable_thinking": cfg.thinking}
 
 
 def check_inputs(cfg):
@@ -315,11 +398,13 @@ def sft_loss_fn(cfg):
     return fn
 
 
-def push_weights(actor, engine):
-    """(6) Gather the FSDP2 shards (a collective, every rank in the same order) and load the full
-    weights into this rank's rollout engine."""
-    sd = fsdp.full_state_dict(actor)
-    engine.load_weights([(k.removeprefix("lm."), v) for k, v in sd.items()])
+def push_weights(actor, engine, device):
+    """(6) Stream the policy's weights into this rank's rollout engine: each tensor is gathered
+    from its FSDP2 shards in the engine's dtype and loaded before the next is gathered (a
+    collective, every rank in the same order), so the push adds one tensor to memory, not a copy
+    of the model. The trainer's cached blocks are released first: the engine wakes its weights."""
+    fsdp.release_cached_memory()
+    engine.load_weights((k.removeprefix("lm."), v) for k, v in fsdp.iter_full_tensors(actor, device, engine.dtype))
 
 
 def warmup(actor, cfg, codec, rank, per_rank, pad_id, device, print0):
@@ -348,15 +433,29 @@ def trainable_episodes(episodes, keep_env_errors=False, mask_truncated=False):
             and not (mask_truncated and e.end_reason != "submitted")]
 
 
+def batch_sizes(rows, minibatches, budget):
+    """The sizes the memory plan assumes at their worst: the longest window, and the padded tokens of
+    the largest micro-batch (scoring packs all rows, an update one mini-batch), global maxima; and
+    the tokens of all windows, a global sum (what one pass over the batch processes)."""
+    lengths = [len(r["ids"]) for r in rows]
+    packed = [max(lengths[i] for i in mb) * len(mb)
+              for idx in [list(range(len(rows)))] + minibatches
+              for mb in ([idx[j] for j in b] for b in pack_micro_batches([lengths[i] for i in idx], budget))]
+    worst = fsdp.all_reduce([max(lengths, default=0), max(packed, default=0)], dist.ReduceOp.MAX)
+    return {"batch/longest_window": float(worst[0]), "batch/micro_batch_tokens": float(worst[1]),
+            "batch/tokens": float(fsdp.all_reduce(sum(lengths)))}
+
+
 def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, codec, rank, per_rank,
-               pad_id, device, swe_rows=None):
+               pad_id, device, meter, swe_rows=None):
     times, m = {}, {}
     # (1) rollouts with compaction on this rank's share of tasks
-    with timed(times, "rollout"):
+    with timed(times, "rollout"), meter.phase("rollout"):
         envs, task_ids = make_envs(cfg, step, rank, per_rank, swe_rows=swe_rows)
         first = step * cfg.rollouts_per_step + rank * per_rank
         rids = list(range(first, first + per_rank))
         gids = [r // cfg.group_size for r in rids]
+        fsdp.release_cached_memory()  # the engine's KV cache wakes into what training cached
         engine.wake_up()
         episodes = run_episodes(engine, codec, envs, rollout_config(cfg), rids, task_ids, gids,
                                 summary_engine=frozen)
@@ -365,7 +464,7 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
     rows = to_rows([s for e in kept for s in e.segments], cfg.summaries)
     group_of = {e.rollout_id: e.group_id for e in episodes}
     # (2) old log-probs and values
-    with timed(times, "score"):
+    with timed(times, "score"), meter.phase("score"):
         score(actor, critic, rows, cfg, pad_id, device, ref)
     diff = sum(float(((r["old_logprobs"] - r["sampler_logprobs"]).abs() * r["mask"]).sum()) for r in rows)
     # (3) advantages and returns
@@ -379,7 +478,7 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
     mbs = minibatch_indices(rows, cfg.mini_batches)
     # (4) critic updates (value pre-training: only these for the first steps)
     skipped, crit, crit_steps = 0, [], []
-    with timed(times, "critic"):
+    with timed(times, "critic"), meter.phase("critic"):
         for _ in range(cfg.critic_updates):
             for idx in mbs:
                 sums, stats, sk = optimize(critic, opt_c, rows, idx, value_loss_fn(cfg), cfg, pad_id,
@@ -390,7 +489,7 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
     # (5) PPO policy update, normalized by the global trainable-token count
     pol, pol_steps = [], []
     if step >= cfg.value_pretrain_steps:
-        with timed(times, "actor"):
+        with timed(times, "actor"), meter.phase("actor"):
             for _ in range(cfg.ppo_epochs):
                 for idx in mbs:
                     sums, stats, sk = optimize(actor, opt_a, rows, idx, policy_loss_fn(cfg), cfg, pad_id,
@@ -400,8 +499,8 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
                     pol_steps.append(stats)
                     skipped += sk
         # (6) push the new weights to the rollout engine
-        with timed(times, "sync"):
-            push_weights(actor, engine)
+        with timed(times, "sync"), meter.phase("sync"):
+            push_weights(actor, engine, device)
     # (7) metrics
     for prefix, sums, steps in (("value", crit, crit_steps), ("policy", pol, pol_steps)):
         if sums and (reduced := reduce_sums(sums)):   # empty: no rank had a token to train on
@@ -413,6 +512,10 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
     m.update(segment_share_metrics(rows))   # collectives: every rank, with rows or without
     m.update(explained_variance(rows))
     m["train/skipped_steps"] = skipped
+    m.update(batch_sizes(rows, mbs, cfg.micro_batch_tokens))
+    peak = meter.take()
+    worst = fsdp.all_reduce([peak.get(p, -1) for p in memory_plan.PHASES], dist.ReduceOp.MAX)
+    m.update({f"memory/{p}": float(v) / 2**30 for p, v in zip(memory_plan.PHASES, worst) if v >= 0})
     m.update(times)
     m["time/step"] = sum(times.values())
     m["time/tokens_per_s"] = m["rollout/sampled_tokens"] / max(times["time/rollout"], 1e-9)
@@ -421,15 +524,22 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
 
 def main(cfg):
     rank, world, device = fsdp.init_distributed()
-    per_rank = finalize(cfg, world)
     import transformers
     transformers.utils.logging.disable_progress_bar()
-    model_path, resume_from, swe_rows = prepare_run(cfg, rank)  # every check before any model is loaded
+    if cfg.plan:
+        status = print_plan(cfg, world) if rank == 0 else 0
+        fsdp.close_distributed()
+        return status
+    per_rank = finalize(cfg, world)
+    # every check before any model is loaded
+    model_path, resume_from, swe_rows, (shapes, setup, phases) = prepare_run(cfg, rank, world, device)
     print0 = print if rank == 0 else (lambda *a, **k: None)
+    print0(memory_plan.summary(shapes, setup, phases))
     tokenizer = load_tokenizer(model_path)
-    codec = ChatCodec(tokenizer)
+    codec = ChatCodec(tokenizer, template_kwargs(cfg))
     fsdp.fail_together(lambda: check_prompts(cfg, codec, swe_rows))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    meter = memory_plan.PeakMeter()  # before the models: on a CPU it measures from here
     torch.manual_seed(cfg.seed)  # the same initial weights everywhere (only rank 0's are used)
     actor, critic = make_models(cfg, model_path, device)
     # the KL reference: a frozen copy of the policy as RL starts (after the warm-up)
@@ -447,16 +557,17 @@ def main(cfg):
         fsdp.set_rng_state(extra["rng"])
         print0(f"resumed from {resume_from} at step {start}")
     logger = Logger(cfg, rank, start)
-    engine = engine_for(cfg, model_path, pad_id, device)
+    fraction = memory_plan.engine_fraction(shapes, setup) if setup.gpu and setup.engine == "vllm" else None
+    engine = engine_for(cfg, model_path, pad_id, device, fraction)
     if start == 0 and cfg.warmup_steps:
         warmup(actor, cfg, codec, rank, per_rank, pad_id, device, print0)
     if start == 0 and ref is not None:
         ref.load_state_dict(actor.state_dict())
-    push_weights(actor, engine)
+    push_weights(actor, engine, device)
     frozen = None  # the frozen-summarizer ablation: the initial policy, never updated
     if cfg.summaries == "frozen":
-        frozen = engine_for(cfg, model_path, pad_id, device)
-        push_weights(actor, frozen)
+        frozen = engine_for(cfg, model_path, pad_id, device, fraction)
+        push_weights(actor, frozen, device)
     print0(f"world {world} · {per_rank} rollouts/rank · model {model_path} · task {cfg.task} · "
            f"estimator {cfg.estimator} · normalizer {cfg.normalizer}")
     from tqdm import tqdm
@@ -468,7 +579,7 @@ def main(cfg):
             for group in opt.param_groups:
                 group["lr"] = lr * frac
         metrics, episodes = train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen,
-                                       codec, rank, per_rank, pad_id, device, swe_rows)
+                                       codec, rank, per_rank, pad_id, device, meter, swe_rows)
         logger.log(step, {**metrics, "train/actor_lr": cfg.actor_lr * frac})
         bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", comp=f"{metrics['rollout/compactions']:.2f}",
                         s=f"{metrics['time/step']:.1f}")
@@ -479,13 +590,13 @@ def main(cfg):
             if rank == 0:
                 plot_curve(logger.path, os.path.join(cfg.out_dir, "curve.png"))
         if cfg.export_every and (step + 1) % cfg.export_every == 0:
-            export(actor, model_path, tokenizer, os.path.join(cfg.out_dir, f"hf_step_{step}"), rank)
+            export(actor, model_path, tokenizer, os.path.join(cfg.out_dir, f"hf_step_{step}"), rank, cfg.rope_scaling)
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step == cfg.steps - 1:
             fsdp.save_checkpoint(ckpt_root, step, models, {"actor": opt_a, "critic": opt_c},
                                  {"step": step, "rng": fsdp.rng_state(), "config": asdict(cfg)},
                                  keep=cfg.keep_checkpoints)
     if cfg.export_hf:
-        export(actor, model_path, tokenizer, os.path.join(cfg.out_dir, "hf"), rank)
+        export(actor, model_path, tokenizer, os.path.join(cfg.out_dir, "hf"), rank, cfg.rope_scaling)
         print0(f"exported the policy to {os.path.join(cfg.out_dir, 'hf')}")
     dist.barrier()
     for e in (engine, frozen):
@@ -503,15 +614,17 @@ def seeded_rng(seed):
     return fsdp.rng_state()
 
 
-def export(actor, model_path, tokenizer, out_dir, rank):
-    """save_pretrained of the current policy (full weights gathered to rank 0)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def export(actor, model_path, tokenizer, out_dir, rank, rope_scaling=None):
+    """save_pretrained of the current policy (full weights gathered to rank 0), with the config it
+    was trained with (rope scaling included)."""
+    from transformers import AutoModelForCausalLM
     sd = fsdp.full_state_dict(actor, cpu_offload=True)
     if rank == 0:
-        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        lm = AutoModelForCausalLM.from_config(hf_config(model_path, rope_scaling))
         lm.load_state_dict({k.removeprefix("lm."): v for k, v in sd.items()})
         export_pretrained(lm, tokenizer, out_dir)
 
 
 if __name__ == "__main__":
-    main(parse_config())
+    import sys
+    sys.exit(main(parse_config()))

@@ -74,10 +74,16 @@ class VLLMEngine(Engine):
         by ~0.04 from the float32 trainer's).
     enforce_eager: None = eager on CPU (2 s start instead of 20-50 s of compilation, for no gain on
         a tiny model), compiled with CUDA graphs on GPU.
+    hf_overrides: config keys that replace the checkpoint's (model.rope_overrides: the trainer's
+        rope scaling, so both compute the same positions).
+    memory_fraction: vLLM's gpu_memory_utilization: the share of the device that must be free
+        when the engine starts, which vLLM checks even when the KV cache is sized in bytes. The
+        trainer already holds its part of the device by then, so vLLM's default (0.9) fails on a
+        shared device; train.py passes what its memory plan gives the engine. None = vLLM's.
     """
 
     def __init__(self, model_path, max_model_len=None, seed=0, kv_cache_bytes=256 << 20, dtype=None,
-                 enforce_eager=None):
+                 enforce_eager=None, hf_overrides=None, memory_fraction=None):
         # Must be set before vLLM reads its environment (at engine construction).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
@@ -92,8 +98,9 @@ class VLLMEngine(Engine):
             # would be cached only in 128-token blocks). 32 is also faster to decode here.
             "block_size": 32}
         rng = _rng_state()
+        dtype = dtype or ("bfloat16" if gpu else "float32")
         self.llm = LLM(
-            model=model_path, dtype=dtype or ("bfloat16" if gpu else "float32"), seed=seed,
+            model=model_path, dtype=dtype, seed=seed,
             max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_bytes,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,  # each agent turn re-sends its window: only new tokens prefill
@@ -101,8 +108,11 @@ class VLLMEngine(Engine):
             # Under torchrun: take rank and device from RANK / LOCAL_RANK and join the trainer's
             # group ("uni" would put every rank's engine on device 0). Alone: a private world of one.
             distributed_executor_backend="external_launcher" if dist.is_initialized() else "uni",
+            hf_overrides=hf_overrides or None,
+            **({"gpu_memory_utilization": memory_fraction} if memory_fraction is not None else {}),
             **device_kwargs)
         _set_rng_state(rng)  # vLLM seeded the global RNGs with `seed`; the trainer owns them
+        self.dtype = getattr(torch, dtype)
         self.asleep = set()  # what sleep() released and wake_up() has not restored: weights, kv_cache
         self.broken = None  # the error of a failed weight push; the weights are then undefined
 

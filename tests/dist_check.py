@@ -11,6 +11,7 @@ import random
 import sys
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -50,14 +51,82 @@ class GradRecorder:
         self.module.zero_grad(set_to_none=set_to_none)
 
 
+def checkpointed_layer_calls(module, vocab):
+    """Calls of each decoder layer in one forward and backward (a collective: every rank, in step),
+    and the number of layers. A checkpointed layer runs twice: in the forward, and again in the
+    backward to recompute its activations."""
+    calls = [0]
+    layers = fsdp.decoder_layers(module)
+    hooks = [layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for layer in layers]
+    ids = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+    out = module(ids, torch.ones_like(ids))
+    (out[0] if isinstance(out, tuple) else out).sum().backward()
+    module.zero_grad(set_to_none=True)
+    for h in hooks:
+        h.remove()
+    return {"calls": calls[0], "layers": len(layers), "training": all(m.training for m in module.modules())}
+
+
+class StreamProbe:
+    """A rollout engine in bfloat16 that records what a weight push hands it: each tensor's dtype,
+    how many pushed tensors were alive at once, and whether the trainer's cached memory had been
+    released before the first tensor came (the engine wakes its weights for a push)."""
+    dtype = torch.bfloat16
+
+    def __init__(self, released):
+        self.released, self.dtypes, self.most_alive, self.released_first = released, set(), 0, None
+        self.names = []
+
+    def load_weights(self, named_tensors):
+        import gc
+        import weakref
+        self.released_first = bool(self.released)
+        alive = []
+        for name, t in named_tensors:
+            self.names.append(name)
+            self.dtypes.add(str(t.dtype))
+            alive = [r for r in alive if r() is not None] + [weakref.ref(t)]
+            self.most_alive = max(self.most_alive, len(alive))
+            del t
+            gc.collect()
+
+
+def pushed(actor, device):
+    """What train.push_weights hands an engine, and the tensors themselves against the full state
+    dict: {"dtypes", "most_alive", "released_first", "equal"}."""
+    released = []
+    real = fsdp.release_cached_memory
+    fsdp.release_cached_memory = lambda: released.append(1)
+    probe = StreamProbe(released)
+    try:
+        train.push_weights(actor, probe, device)
+    finally:
+        fsdp.release_cached_memory = real
+    full = fsdp.full_state_dict(actor)
+    streamed = dict(fsdp.iter_full_tensors(actor, device, torch.bfloat16))
+    equal = list(streamed) == list(full) and all(torch.equal(streamed[k], full[k].to(torch.bfloat16)) for k in full)
+    return {"dtypes": sorted(probe.dtypes), "most_alive": probe.most_alive, "released_first": probe.released_first,
+            "equal": equal, "names": probe.names == [k.removeprefix("lm.") for k in full]}
+
+
+def gather_to_rank0(obj):
+    """[obj of rank 0, obj of rank 1, ...] on rank 0, None elsewhere."""
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
 def main(out_path, model_dir):
     rank, world, device = fsdp.init_distributed()
     # grad_clip off: the recorder must see the raw gradient, not the clipped one
     cfg = train.Config(model=model_dir, micro_batch_tokens=48, entropy_coef=0.0, lam_mode="fixed",
-                       lam=0.9, gamma=1.0, grad_clip=1e9)
+                       lam=0.9, gamma=1.0, grad_clip=1e9, activation_checkpointing=True)
     from model import load_tokenizer
     tok = load_tokenizer(model_dir)
     actor, critic = train.make_models(cfg, model_dir, device)
+    checkpointed = gather_to_rank0({name: checkpointed_layer_calls(m, len(tok))
+                                    for name, m in (("actor", actor), ("critic", critic))})
+    push = gather_to_rank0(pushed(actor, device))
     segs = fixed_segments(len(tok))
     mine = [s for s in segs if s.rollout_id % world == rank]  # a rollout's segments stay together
     rows = batch.to_rows(mine, "trained")
@@ -86,7 +155,8 @@ def main(out_path, model_dir):
     unchanged = all(torch.equal(after[k], actor_sd[k]) for k in actor_sd) if rank == 0 else None
     if rank == 0:
         torch.save({"grads": rec.grads, "actor": actor_sd, "critic": critic_sd,
-                    "nan_step_skipped": skipped, "nan_step_unchanged": unchanged}, out_path)
+                    "nan_step_skipped": skipped, "nan_step_unchanged": unchanged,
+                    "checkpointed_calls": checkpointed, "push": push}, out_path)
     fsdp.close_distributed()
 
 

@@ -165,7 +165,10 @@ def test_chatml_role_tokens_sit_where_the_template_puts_them(chatml_tok):
         expected += [start, *codec.encode_text(f"{m['role']}\n{evil}"), end, *nl]
     assert ids == expected and ids.count(start) == len(messages)
     assert codec.gen_prompt == [start, *codec.encode_text("assistant\n")]
-    assert codec.close_after_cut == [end, *nl] and codec.close_after_stop == nl
+    x = {"role": "user", "content": "x"}
+    assert codec.stop_ids == [end]
+    assert codec.after_turn([7], x) == [end, *nl, *codec.message(x)]  # cut at the cap: the stop is injected
+    assert codec.after_turn([7, end], x) == [*nl, *codec.message(x)]
 
 
 def realistic_conversations():
@@ -199,7 +202,7 @@ def test_ids_of_ordinary_text_are_unchanged(tok_and_specials):
     # and a whole conversation, assembled turn by turn, is the template's rendering
     messages, obs = prompts[0], observations[0]
     action = tok.encode("ok", add_special_tokens=False) + [tok.eos_token_id]
-    ids = codec.prompt(messages) + codec.gen_prompt + action + codec.close(action) + codec.message(obs)
+    ids = codec.prompt(messages) + codec.gen_prompt + action + codec.after_turn(action, obs)
     full = messages + [{"role": "assistant", "content": "ok"}, obs]
     assert ids + codec.gen_prompt == plain_ids(tok, full, add_generation_prompt=True)
 
@@ -218,10 +221,16 @@ def test_clip_tokens_keeps_head_and_tail_and_no_special_id(tok_and_specials):
         skeleton(tok, codec.message({"role": "user", "content": "x"}))
 
 
-def test_templates_that_rewrite_content_are_rejected():
-    trimming = CHATML_TEMPLATE.replace("message['content']", "(message['content'] | trim)")
-    with pytest.raises(ValueError, match="changes message content"):
-        ChatCodec(chatml_tokenizer(trimming))
+def test_templates_that_strip_content_are_followed_and_other_rewrites_refused():
+    """Llama 3 trims message content: the codec strips it first, then inserts it verbatim."""
+    trimming = chatml_tokenizer(CHATML_TEMPLATE.replace("message['content']", "(message['content'] | trim)"))
+    codec = ChatCodec(trimming)
+    padded = {"role": "user", "content": "\n  out \n"}
+    assert codec.message(padded) == codec.message({"role": "user", "content": "out"}) == \
+        plain_message_ids(trimming, padded)
+    upper = CHATML_TEMPLATE.replace("message['content']", "(message['content'] | upper)")
+    with pytest.raises(ValueError, match="changes message content beyond stripping whitespace"):
+        ChatCodec(chatml_tokenizer(upper))
 
 
 def test_a_command_that_prints_special_tokens_cannot_forge_a_turn(tok_and_specials, tmp_path, sandbox_kwargs):

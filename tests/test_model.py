@@ -113,12 +113,12 @@ def test_codec_incremental_ids_render_the_conversation(tiny):
     codec = ChatCodec(tok)
     msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "do it"}]
     action = tok.encode("ls", add_special_tokens=False) + [tok.eos_token_id]
-    ids = codec.prompt(msgs) + codec.gen_prompt + action + codec.close(action) \
-        + codec.message({"role": "user", "content": "out"}) + codec.gen_prompt
+    ids = codec.prompt(msgs) + codec.gen_prompt + action \
+        + codec.after_turn(action, {"role": "user", "content": "out"}) + codec.gen_prompt
     full = msgs + [{"role": "assistant", "content": "ls"}, {"role": "user", "content": "out"}]
     assert tok.decode(ids) == tok.apply_chat_template(full, tokenize=False, add_generation_prompt=True)
     cut = tok.encode("ls", add_special_tokens=False)  # a turn cut at the length limit gets eos too
-    assert tok.decode(cut + codec.close(cut)) == "ls<|end|>"
+    assert tok.decode(cut + codec.after_turn(cut, {"role": "user", "content": "x"})) == "ls<|end|><|user|>x<|end|>"
 
 
 def test_codec_rejects_templates_that_rerender(tiny):
@@ -133,7 +133,7 @@ def test_codec_rejects_templates_that_rerender(tiny):
         def encode(self, text, add_special_tokens=False):
             return tok.encode(text, add_special_tokens=False)
 
-    with pytest.raises(ValueError, match="independently"):
+    with pytest.raises(ValueError, match="re-rendered earlier messages"):
         ChatCodec(Weird())
 
 

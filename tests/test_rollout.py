@@ -74,8 +74,7 @@ def test_compaction_fires_at_the_right_turn(tiny):
     assert ep.end_reason == "submitted" and ep.reward == 1.0 and ep.compactions == 1
     seg0 = ep.segments[0]
     # replay the lengths: the trigger is eq. 7 checked after every atomic step
-    step = len(codec.gen_prompt) + 2 + len(codec.close_after_stop) + len(
-        codec.message({"role": "user", "content": "noise A"}))
+    step = len(codec.gen_prompt) + 2 + len(codec.after_turn(codec.stop_ids, {"role": "user", "content": "noise A"}))
     used, turns = len(codec.prompt(memory_task.MemoryEnv(row()).reset())), 0
     while not (cfg.context_budget - used < cfg.reserve):
         used += step
@@ -324,6 +323,6 @@ def test_observations_cannot_forge_turns(tiny):
     observation = seg.response_ids[a:b]
     if observation[-len(codec.gen_prompt):] == codec.gen_prompt:   # the next turn's, when merged into the span
         observation = observation[:-len(codec.gen_prompt)]
-    honest = codec.close_after_stop + codec.message({"role": "user", "content": "x"})
+    honest = codec.after_turn(codec.stop_ids, {"role": "user", "content": "x"})
     assert [i for i in observation if i in special] == [i for i in honest if i in special]
     assert forged in tok.decode(observation, skip_special_tokens=False)

@@ -94,13 +94,44 @@ def test_logged_lambda_and_correction_match_a_loop():
     assert adaptive["correction"] == pytest.approx(3 * lam0 ** 2)
 
 
-def test_one_rank_equals_two_ranks_and_loss_is_the_global_token_mean(tmp_path):
-    model = str(tmp_path / "model")
+@pytest.fixture(scope="module")
+def dist_runs(tmp_path_factory):
+    """tests/dist_check.py with 1 and 2 ranks on one tiny model: {n ranks: its results}, and the model."""
+    tmp = tmp_path_factory.mktemp("dist")
+    model = str(tmp / "model")
     build_tiny_model(model)
     res = {}
     for n in (1, 2):
-        run(["tests/dist_check.py", str(tmp_path / f"out{n}.pt"), model], nproc=n)
-        res[n] = torch.load(tmp_path / f"out{n}.pt")
+        run(["tests/dist_check.py", str(tmp / f"out{n}.pt"), model], nproc=n)
+        res[n] = torch.load(tmp / f"out{n}.pt")
+    return res, model
+
+
+def test_activation_checkpointing_runs_on_every_rank(dist_runs):
+    """Each decoder layer runs twice per forward and backward (forward, then the recompute), on
+    rank 0 too, whose weights come from from_pretrained, and in a world of one."""
+    res, _ = dist_runs
+    for n in (1, 2):
+        for rank, models in enumerate(res[n]["checkpointed_calls"]):
+            for name, seen in models.items():
+                assert seen["training"], (n, rank, name)
+                assert seen["calls"] == 2 * seen["layers"], (n, rank, name, seen)
+
+
+def test_the_weight_push_streams_tensors_in_the_engines_dtype(dist_runs):
+    """train.push_weights hands the engine one gathered tensor at a time, already in its dtype
+    (bfloat16 here), the full weights and every name; the trainer's cached memory is released
+    before the engine wakes for them."""
+    res, _ = dist_runs
+    for n in (1, 2):
+        for rank, seen in enumerate(res[n]["push"]):
+            assert seen["dtypes"] == ["torch.bfloat16"], (n, rank, seen)
+            assert seen["most_alive"] == 1, (n, rank, seen)
+            assert seen["equal"] and seen["names"] and seen["released_first"], (n, rank, seen)
+
+
+def test_one_rank_equals_two_ranks_and_loss_is_the_global_token_mean(dist_runs):
+    res, model = dist_runs
     for n in (1, 2):  # a NaN in the loss skips the step on every rank, weights untouched
         assert res[n]["nan_step_skipped"] == 1 and res[n]["nan_step_unchanged"]
     for part in ("actor", "critic"):
@@ -297,3 +328,11 @@ def test_swe_training_runs_in_docker_end_to_end(tmp_path):
     assert all(r["end/env_error"] == 0 and r["rollout/trainable_tokens"] > 0 for r in recs)
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["sandbox"] == "docker"
+
+
+def test_a_run_that_would_never_update_the_policy_is_refused():
+    """Steps 0 .. value_pretrain_steps − 1 train the critic only: --steps must go past them."""
+    with pytest.raises(AssertionError, match="the policy would never be updated"):
+        train.finalize(train.Config(steps=50, value_pretrain_steps=50), world=8)
+    train.finalize(train.Config(steps=51, value_pretrain_steps=50), world=8)
+    train.finalize(train.Config(steps=0, value_pretrain_steps=50), world=8)  # the warm-up alone

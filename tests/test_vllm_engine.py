@@ -76,6 +76,19 @@ def test_pushed_weights_are_live(checks):
     assert "call wake_up() first" in checks["generate_asleep"]
 
 
+def test_rope_scaling_gives_the_trainer_the_engines_positions(checks):
+    """YaRN (factor 4 over 64 positions) in both: the trainer's log-probs equal vLLM's on
+    sequences past the original length; with the checkpoint's plain RoPE they do not."""
+    assert checks["yarn_longest"] > 2 * 64
+    assert checks["yarn_logprob_diff"] < 1e-4
+    assert checks["yarn_vs_plain_rope_diff"] > 1e-2
+
+
+def test_the_engine_takes_the_share_of_the_device_it_is_given(checks):
+    """train.py gives vLLM the memory plan's share (gpu_memory_utilization), not vLLM's 0.9."""
+    assert checks["memory_fraction"] == 0.125
+
+
 def test_an_empty_push_is_refused(checks):
     for k in ("empty_list", "empty_generator"):
         assert "got no tensors" in checks[k], checks[k]

@@ -13,8 +13,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import fsdp  # noqa: E402
 import memory_task  # noqa: E402
-from model import Actor, ChatCodec, build_tiny_model, load_policy, load_tokenizer  # noqa: E402
+from model import (Actor, ChatCodec, build_tiny_model, hf_config, load_policy, load_tokenizer,  # noqa: E402
+                   rope_overrides)
 from rollout import HFEngine, RolloutConfig, run_episodes  # noqa: E402
 from vllm_engine import VLLMEngine  # noqa: E402
 
@@ -177,6 +179,22 @@ def main(out_path, work):
             envs = [memory_task.MemoryEnv(row) for row in rows]
             eps = run_episodes(eng, codec, envs, cfg, list(range(len(rows))), [row["task_id"] for row in rows])
             r["episodes"][f"{stops_name}/{name}"] = episodes_record(eps, set(stops))
+    # (5) long context: YaRN rope scaling, handed to the trainer's config and to vLLM alike. A tiny
+    # model made for 64 positions, extended 4x (model.rope_overrides); its sequences run past 64.
+    from transformers import AutoConfig
+    short = build_tiny_model(os.path.join(work, "tiny64"), max_positions=64)
+    scaling = (4.0, 64)
+    fsdp.init_distributed()  # the environment train.py gives a second engine (rank variables)
+    yarn_engine = VLLMEngine(short, max_model_len=256, seed=7, kv_cache_bytes=32 << 20,
+                             hf_overrides=rope_overrides(AutoConfig.from_pretrained(short), scaling),
+                             memory_fraction=0.125)  # the memory plan's share reaches vLLM's config
+    r["memory_fraction"] = yarn_engine.llm.llm_engine.vllm_config.cache_config.gpu_memory_utilization
+    long_prompts = prompts_of(codec, 3, min_len=150, n_lines=60)
+    g_long = yarn_engine.generate(long_prompts, [24] * 3, T, [eos])
+    r["yarn_longest"] = max(len(p) + len(g.token_ids) for p, g in zip(long_prompts, g_long))
+    r["yarn_logprob_diff"] = recompute(load_policy(short, config=hf_config(short, scaling)).eval(), long_prompts,
+                                       g_long, T)
+    r["yarn_vs_plain_rope_diff"] = recompute(load_policy(short).eval(), long_prompts, g_long, T)
     with open(out_path, "w") as f:
         json.dump(r, f)
 
