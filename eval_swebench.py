@@ -85,7 +85,13 @@ class Config:
     # --- instances ------------------------------------------------------------------------------
     mode: Literal["local", "docker"] = "local"
     """local: rows with a repo_dir (the built-in tasks), bubblewrap sandboxes, graded in-process
-    (swe_task.grade, as training grades); docker: each row's image, graded by the official harness."""
+    (swe_task.grade, as training grades); docker: each row's image, graded by --grader."""
+    grader: Literal["harness", "sandbox"] = "harness"
+    """--mode docker: who grades the patches. harness: the official run_evaluation (the leaderboard's
+    grader), whose containers run the patch's code with CAP_SYS_ADMIN added and no limits; sandbox:
+    swe_task.grade in this project's DockerSandbox (no network, no capability past file ownership,
+    limits), with the harness's own eval script, apply commands and log parser, as training grades.
+    For a policy you do not trust, sandbox."""
     dataset: str = ""
     """Task rows (swe_task.load_tasks): a Hugging Face dataset id or folder, or a .json/.jsonl/.parquet
     file, in SWE-bench's schema. Empty = tasks/swe/tasks.jsonl (local) or SWE-bench/SWE-bench_Verified
@@ -478,6 +484,7 @@ def main(cfg, engine=None, tokenizer=None):
     if cfg.mode == "docker":   # a daemon, and every image here: nothing is pulled mid-evaluation
         check_docker_images(sorted({r["image"] for r in rows}), pull=cfg.pull_images)
     local = cfg.mode == "local"
+    in_process = local or cfg.grader == "sandbox"   # swe_task.grade in our sandboxes, not the harness
     if local and not cfg.allow_unisolated:
         check_isolation()
     model_name = cfg.model_name or cfg.model or TINY_MODEL_NAME
@@ -501,9 +508,10 @@ def main(cfg, engine=None, tokenizer=None):
             torch.manual_seed(cfg.seed * 1_000_003 + k * 1009 + r)   # both engines draw sampling seeds from it
             run_agent(engine, codec, rows, rollout_cfg, make_sandbox, run_dir, model_name, k=k, run=r,
                       workers=cfg.workers, command_timeout=cfg.command_timeout, eval_timeout=cfg.eval_timeout,
-                      local_grading=local, grade_unsubmitted=cfg.grade_unsubmitted, label=f"×{k + 1} run {r}")
+                      local_grading=in_process, grade_unsubmitted=cfg.grade_unsubmitted,
+                      label=f"×{k + 1} run {r}")
             records = read_records(run_dir, ids)
-            if local:
+            if in_process:
                 preds = read_predictions(os.path.join(run_dir, "preds.jsonl"), model_name)
                 outcomes = local_outcomes(records, preds, ids)
             else:

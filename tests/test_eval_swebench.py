@@ -329,3 +329,17 @@ def test_docker_mode_grades_with_the_official_harness_on_locally_built_images(to
     (empty,) = ev.main(docker_config(tmp_path / "empty"), engine=ScriptedAgent(tok, list(ROWS.values()),
                                                                                submit_script), tokenizer=tok)[0]
     assert empty["pass@1"] == 0.0 and empty["outcomes"] == {i: "empty_patch" for i in ROWS}, empty
+
+
+def test_docker_mode_can_grade_in_the_projects_own_sandbox(tok, tmp_path):
+    """--grader sandbox: the same verdicts as the harness (gold resolves every task, an empty patch
+    none), graded by swe_task.grade in a DockerSandbox instead of the harness's CAP_SYS_ADMIN
+    containers; nothing is handed to run_evaluation."""
+    require_docker_images([r["image"] for r in ROWS.values()])
+    (gold,) = ev.main(docker_config(tmp_path / "gold", grader="sandbox"),
+                      engine=gold_agent(tok, list(ROWS.values())), tokenizer=tok)[0]
+    assert gold["pass@1"] == 1.0 and gold["outcomes"] == {i: "resolved" for i in ROWS}, gold
+    assert not (tmp_path / "gold" / "K0" / "run0" / "harness.log").exists()
+    (empty,) = ev.main(docker_config(tmp_path / "empty", grader="sandbox"),
+                       engine=ScriptedAgent(tok, list(ROWS.values()), submit_script), tokenizer=tok)[0]
+    assert empty["pass@1"] == 0.0, empty
