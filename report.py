@@ -167,20 +167,18 @@ def read_records(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def read_dumps(run_dir):
-    """{step: [records]} of a training run's episodes_step*.jsonl, by step."""
-    out = {}
-    for path in glob.glob(os.path.join(run_dir, "episodes_step*.jsonl")):
-        out[int(re.search(r"episodes_step(\d+)\.jsonl$", path).group(1))] = read_records(path)
-    return dict(sorted(out.items()))
+def dump_paths(run_dir):
+    """{step: path} of a training run's episodes_step*.jsonl, by step."""
+    paths = glob.glob(os.path.join(run_dir, "episodes_step*.jsonl"))
+    return dict(sorted((int(re.search(r"episodes_step(\d+)\.jsonl$", p).group(1)), p) for p in paths))
 
 
 # --- the pages ----------------------------------------------------------------------------------
 
 def spread(items, n):
     """At most n of `items`, evenly spread, the first and the last kept."""
-    if len(items) <= n:
-        return list(items)
+    if len(items) <= n or n < 2:
+        return list(items)[:n]
     return [items[round(i * (len(items) - 1) / (n - 1))] for i in range(n)]
 
 
@@ -192,9 +190,10 @@ def run_data(run_dir, name, max_dumps=MAX_DUMPS):
     curves = {key: [[r["step"], r.get(key)] for r in records if key in r] for key, _ in CURVES}
     cfg_path = os.path.join(run_dir, "config.json")
     config = json.load(open(cfg_path)) if os.path.exists(cfg_path) else {}
-    dumps = read_dumps(run_dir)
+    paths = dump_paths(run_dir)
+    shown = spread(list(paths), max_dumps)  # only these files are read
     return {"name": name, "curves": curves, "config": config,
-            "dumps": [{"label": f"step {s}", "episodes": dumps[s]} for s in spread(list(dumps), max_dumps)]}
+            "dumps": [{"label": f"step {s}", "episodes": read_records(paths[s])} for s in shown]}
 
 
 CONFIG_SHOWN = ("task", "estimator", "gamma", "lam_mode", "lam_alpha", "lam", "whiten_advantages", "summaries",

@@ -40,6 +40,13 @@ def test_summary_location_covers_the_tokens_that_hold_the_summary():
     assert report.summary_location(pieces, "absent") is None and report.summary_location(pieces, "") is None
 
 
+def test_a_page_shows_dump_steps_spread_over_the_run_first_and_last_kept():
+    steps = list(range(0, 300, 10))
+    shown = report.spread(steps, 12)
+    assert len(shown) == 12 and shown[0] == 0 and shown[-1] == 290 and shown == sorted(set(shown))
+    assert report.spread(steps[:5], 12) == steps[:5] and report.spread(steps, 0) == []
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """train.py, 2 steps, every step dumped. Enough warm-up that some episodes succeed, so the
