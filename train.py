@@ -583,7 +583,7 @@ def main(cfg):
             for group in opt.param_groups:
                 group["lr"] = lr * frac
         metrics, episodes, rows = train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen,
-                                       codec, rank, per_rank, pad_id, device, meter, swe_rows)
+                                             codec, rank, per_rank, pad_id, device, meter, swe_rows)
         logger.log(step, {**metrics, "train/actor_lr": cfg.actor_lr * frac})
         bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", comp=f"{metrics['rollout/compactions']:.2f}",
                         s=f"{metrics['time/step']:.1f}")
