@@ -24,7 +24,9 @@ The questions (one figure panel each), against the paper's ablations on the 106B
   lambda      λ from the rollout's trainable length (paper) vs from the segment's
   test-time K the base policy (trained with K = max_compactions) evaluated with K = 0 … 4
 
-Writes to out_dir: curves.json (every run's success per update), table.md, ablations.png.
+Writes to out_dir: curves.json (every run's success per update), table.md, ablations.png, and
+report.html (report.py): the variants' curves side by side, the table, and the episodes each
+variant's first seed dumped (at its first and last update), window by window with their credit.
 """
 import json
 import multiprocessing
@@ -35,6 +37,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import report
 from fsdp import checkpoints
 from metrics import read_metrics
 
@@ -329,6 +332,11 @@ def main(cfg):
     with open(os.path.join(root, "table.md"), "w") as f:
         f.write(md)
     figure(curves, evals, names, os.path.join(root, "ablations.png"))
+    here = {n: [(s, run_dir(root, n, s)) for s in res["seeds"].get(n, []) if os.path.isdir(run_dir(root, n, s))]
+            for n in names}  # runs of a --merge grid stay where they ran: their curves are in the table only
+    order = dict.fromkeys(p for v in VARIANTS.values() for p in v[0])
+    panels = {p: [n for n in names if p in VARIANTS[n][0]] for p in order}
+    report.write_ablation_report(root, {n: runs for n, runs in here.items() if runs}, panels, md)
     print(md)
 
 

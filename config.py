@@ -177,7 +177,7 @@ class Config:
     seed: int = 0
     """Seed of weights and tasks; sampling seeds are seed + rank."""
     out_dir: str = "runs/default"
-    """Metrics (metrics.jsonl, curve.png), trajectory dumps, checkpoints, the HF export."""
+    """Metrics (metrics.jsonl, curve.png), trajectory dumps, report.html, checkpoints, the HF export."""
     resume: bool = False
     """Continue from the newest valid checkpoint in out_dir/checkpoints (one whose files match its
     manifest; a damaged newer one is skipped with a warning). No valid checkpoint is an error."""
@@ -189,7 +189,8 @@ class Config:
     keep_checkpoints: int = 2
     """Checkpoints kept."""
     dump_every: int = 10
-    """Write sample trajectories every N steps."""
+    """Every N steps (and at the last), dump sample trajectories (samples_step*.txt, episodes_step*.jsonl)
+    and rebuild report.html."""
     export_hf: bool = True
     """save_pretrained the policy at the end (out_dir/hf)."""
     export_every: int = 0

@@ -14,16 +14,19 @@ each run r, in <out_dir>/K<K>/run<r>/:
      swe_task.SWEEnv, `workers` instances at a time. When an episode ends, the sandbox's patch is
      taken with git (sandbox.Sandbox.diff), never from the model's text.
   2. Files, written per instance as it finishes: trajectories/<id>.txt (rollout.format_episode:
-     every window and summary, then the patch); episodes.jsonl (turns, compactions, tokens, how it
-     ended); preds.jsonl, the official predictions file ({"instance_id", "model_name_or_path",
-     "model_patch"} per line). preds.jsonl is written last and is the record of what is done: an
-     interrupted evaluation, run again with the same arguments, skips the instances it holds.
+     every window and summary, then the patch) and trajectories/<id>.jsonl (the same episode as
+     report.py's record: token ids and text, spans, masks, log-probs); episodes.jsonl (turns,
+     compactions, tokens, how it ended); preds.jsonl, the official predictions file
+     ({"instance_id", "model_name_or_path", "model_patch"} per line). preds.jsonl is written last
+     and is the record of what is done: an interrupted evaluation, run again with the same
+     arguments, skips the instances it holds.
   3. Grading. local: swe_task.grade in-process (the patch applied to a fresh sandbox, the row's
      official eval script, swebench's get_eval_report: the harness's rules). docker:
      `python -m swebench.harness.run_evaluation` on preds.jsonl and the evaluated rows
      (instances.jsonl), then its run report JSON.
   4. The table: Pass@1 per run and their mean, ×1 vs ×K, compactions, turns, sampled tokens,
-     peak context, and how episodes ended. summary.json in <out_dir> holds the same numbers.
+     peak context, and how episodes ended. summary.json in <out_dir> holds the same numbers, and
+     <out_dir>/report.html shows the table and the episodes (report.write_eval_report).
 
 Where we depart from the paper's evaluation:
 * Scaffold. The paper runs the Terminus-KIRA agent on Harbor (a terminal agent driving tmux;
@@ -55,6 +58,7 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
+import report
 import swe_task
 from model import ChatCodec, build_tiny_model, load_tokenizer
 from rollout import RolloutConfig, format_episode, make_engine, run_episodes
@@ -324,6 +328,7 @@ def run_agent(engine, codec, rows, rollout_cfg, make_sandbox, run_dir, model_nam
                 ep.reward = float(resolved) if g else float("nan")
                 with open(os.path.join(run_dir, "trajectories", f"{name}.txt"), "w", encoding="utf-8") as f:
                     f.write(trajectory_text(ep, codec.tok.decode, patch, env))
+                report.write_episode(os.path.join(run_dir, "trajectories", f"{name}.jsonl"), ep, codec.tok.decode)
                 if g:
                     with open(os.path.join(run_dir, "test_output", f"{name}.txt"), "w", encoding="utf-8") as f:
                         f.write(g["log"])
@@ -520,8 +525,12 @@ def main(cfg, engine=None, tokenizer=None):
     with open(os.path.join(cfg.out_dir, "summary.json"), "w", encoding="utf-8") as f:
         json.dump({"config": asdict(cfg), "model_name": model_name, "dataset": dataset,
                    "results": {f"K{k}": runs for k, runs in results.items()}}, f, indent=1)
+    table = format_table(results)
+    page = report.write_eval_report(cfg.out_dir, {f"×{k + 1} run {r}": os.path.join(cfg.out_dir, f"K{k}", f"run{r}")
+                                                  for k in results for r in range(cfg.runs)}, table)
     print(f"\n{model_name} on {len(ids)} instances of {dataset}, {cfg.runs} run(s) per setting:")
-    print(format_table(results))
+    print(table)
+    print(f"episodes: {page}")
     return results
 
 

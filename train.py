@@ -13,7 +13,8 @@ Presets (config.PRESETS, listed by --help) give the defaults; every flag overrid
 Each step reads like the algorithm box: (1) rollouts with compaction on this rank's share of
 tasks → (2) old log-probs and values → (3) advantages and returns → (4) critic updates →
 (5) PPO policy update, normalized by the global trainable-token count Z → (6) push the new
-weights to the rollout engine → (7) metrics, trajectory dump, checkpoint.
+weights to the rollout engine → (7) metrics, trajectory dump (text, and report.py's JSONL and
+report.html), checkpoint.
 
 Where the CPU defaults depart from the paper (every paper value is in config.py, by its field):
 the tiny model and the memory task; a short supervised warm-up (memory_task.WarmupDemoEngine)
@@ -32,6 +33,7 @@ import torch.distributed as dist
 import fsdp
 import memory_plan
 import memory_task
+import report
 import rundir
 from advantage import (adaptive_lambda, concatenated_gae, correction_factor, cross_trajectory_gae,
                        group_advantage, masked_whiten, rollout_lengths, segment_gae)
@@ -279,9 +281,10 @@ def score(actor, critic, rows, cfg, pad_id, device, ref=None):
 
 def advantages(rows, cfg, group_ids):
     """Â and the critic target G for every row (SPEC §3); all segments of a rollout are local.
-    Writes rows[i]["advantages"], ["returns"]. Returns sums for the log: Σ λ over trainable tokens,
-    and Σ (γλ)^N_after and the token count over windows that have a later one (eq. 14's factor,
-    whichever estimator runs)."""
+    Writes rows[i]["advantages"], ["returns"], and the row's λ and N_after ["lambda"], ["n_after"]
+    (report.py dumps them). Returns sums for the log: Σ λ over trainable tokens, and Σ (γλ)^N_after
+    and the token count over windows that have a later one (eq. 14's factor, whichever estimator
+    runs)."""
     mask = pad([r["mask"] for r in rows]).double()
     values = pad([r["old_values"] for r in rows]).double() * mask
     rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
@@ -306,10 +309,11 @@ def advantages(rows, cfg, group_ids):
         ret = rewards[:, None] * mask
     if cfg.whiten_advantages:
         adv = masked_whiten(adv, mask)
+    lam_rows = torch.as_tensor(lam, dtype=torch.float64).expand(len(rows))
     for i, r in enumerate(rows):
         T = len(r["mask"])
         r["advantages"], r["returns"] = adv[i, :T].float(), ret[i, :T].float()
-    lam_rows = torch.as_tensor(lam, dtype=torch.float64).expand(len(rows))
+        r["lambda"], r["n_after"] = float(lam_rows[i]), int(n_after[i])  # for the report's dump
     tokens, early = mask.sum(1), (n_after > 0).double()
     factor = correction_factor(n_after, cfg.gamma, lam_rows)  # (B,) eq. (14)
     return {"lambda": float((lam_rows * tokens).sum()), "correction": float((factor * tokens * early).sum()),
@@ -519,7 +523,7 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
     m.update(times)
     m["time/step"] = sum(times.values())
     m["time/tokens_per_s"] = m["rollout/sampled_tokens"] / max(times["time/rollout"], 1e-9)
-    return m, episodes
+    return m, episodes, rows
 
 
 def main(cfg):
@@ -578,8 +582,8 @@ def main(cfg):
         for opt, lr in ((opt_a, cfg.actor_lr), (opt_c, cfg.critic_lr)):
             for group in opt.param_groups:
                 group["lr"] = lr * frac
-        metrics, episodes = train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen,
-                                       codec, rank, per_rank, pad_id, device, meter, swe_rows)
+        metrics, episodes, rows = train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen,
+                                             codec, rank, per_rank, pad_id, device, meter, swe_rows)
         logger.log(step, {**metrics, "train/actor_lr": cfg.actor_lr * frac})
         bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", comp=f"{metrics['rollout/compactions']:.2f}",
                         s=f"{metrics['time/step']:.1f}")
@@ -589,6 +593,7 @@ def main(cfg):
                         "\n\n".join(format_episode(e, lambda ids: tokenizer.decode(ids)) for e in sample))
             if rank == 0:
                 plot_curve(logger.path, os.path.join(cfg.out_dir, "curve.png"))
+                report.dump_step(cfg.out_dir, step, sample, rows, tokenizer.decode, cfg.gamma)  # and report.html
         if cfg.export_every and (step + 1) % cfg.export_every == 0:
             export(actor, model_path, tokenizer, os.path.join(cfg.out_dir, f"hf_step_{step}"), rank, cfg.rope_scaling)
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step == cfg.steps - 1:

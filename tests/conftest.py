@@ -54,3 +54,17 @@ def require_docker_images(images):
         check_docker_images(list(images))
     except SandboxError as e:
         (pytest.fail if REQUIRE_DOCKER else pytest.skip)(str(e))
+
+
+REQUIRE_CHROMIUM = os.environ.get("COMPACTIONRL_TEST_REQUIRE_CHROMIUM") == "1"   # .ci/run sets it
+
+
+def require_chromium():
+    """The path of a Chromium to drive headless (tests/browser.py). Skips the calling test without
+    one, except where COMPACTIONRL_TEST_REQUIRE_CHROMIUM=1 (CI), where that fails it."""
+    from browser import find_chromium
+    path = find_chromium()
+    if path is None:
+        (pytest.fail if REQUIRE_CHROMIUM else pytest.skip)(
+            "no chromium on PATH: `apt-get install chromium` (Debian's) to render report.html in the tests")
+    return path

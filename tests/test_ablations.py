@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ablations
+import report
 from model import ChatCodec, load_tokenizer
 from rollout import make_engine
 
@@ -73,6 +74,11 @@ def test_smallest_grid_writes_curves_table_and_figure(tmp_path):
     table = (tmp_path / "table.md").read_text()
     assert "| base |" in table and "| summaries=frozen |" in table and "test-time K" in table
     assert (tmp_path / "ablations.png").stat().st_size > 0
+    page = report.read_page(tmp_path / "report.html")  # the variants side by side, with each one's episodes
+    assert {r["group"] for r in page["runs"]} == {"base", "summaries=frozen"} and "| base |" in page["table"]
+    assert all([d["label"] for d in r["dumps"]] == ["step 0", "step 1"] and r["curves"]["rollout/reward"]
+               for r in page["runs"])
+    assert {"title": "summaries", "groups": ["base", "summaries=frozen"]} in page["panels"]
     assert os.path.exists(tmp_path / "base" / "s0" / "done")
     # a second call finds every run done and only rewrites the outputs
     mtime = os.path.getmtime(tmp_path / "base" / "s0" / "metrics.jsonl")

@@ -20,10 +20,12 @@ import sys
 import pytest
 
 import eval_swebench as ev
+import report
 from conftest import bwrap_isolates, require_docker_images
 from env import SUBMIT_SENTINEL
 from sandbox import SandboxError
 from model import build_tiny_model, load_tokenizer
+from rollout import format_episode
 from scripted import ScriptedAgent, gold_agent, gold_script, submit_script
 from swe_task import BUILTIN_TASKS_FILE, load_tasks
 
@@ -115,8 +117,14 @@ def test_tiny_model_end_to_end_both_settings(tiny, tmp_path, capsys):
         assert stats["instances"] == 2 and stats["pass@1"] == 0.0   # a random model fixes nothing
         assert 1 <= stats["turns"] <= 3 and stats["compactions"] <= k and sum(stats["ended"].values()) == 2
         run = tmp_path / f"K{k}" / "run0"
-        assert sorted(os.listdir(run / "trajectories")) == [f"{A}.txt", f"{B}.txt"]
+        assert sorted(os.listdir(run / "trajectories")) == [f"{A}.jsonl", f"{A}.txt", f"{B}.jsonl", f"{B}.txt"]
         assert len((run / "preds.jsonl").read_text().splitlines()) == 2
+        for i in (A, B):  # the structured record holds the episode of the text file, token for token
+            (rec,) = report.read_records(run / "trajectories" / f"{i}.jsonl")
+            episode = format_episode(report.episode_from_record(rec), tiny[1].decode)
+            assert (run / "trajectories" / f"{i}.txt").read_text().startswith(episode + "\n=== model_patch")
+    page = (tmp_path / "report.html").read_text()
+    assert "×2 run 0" in page and "/*REPORT_DATA*/" not in page
     # ~800 prompt tokens + 48-token actions: the window (1024) needs compacting within two turns
     assert results[0][0]["ended"].get("budget_exhausted") and results[1][0]["compactions"] > 0
     assert "[TRAIN summary]" in "".join(p.read_text() for p in (tmp_path / "K1" / "run0" / "trajectories").iterdir())

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import batch
+import report
 import train
 from advantage import cross_trajectory_gae, rollout_lengths
 from loss import ppo_policy_loss
@@ -73,6 +74,11 @@ def test_end_to_end(tmp_path, nproc):
                                 "micro_batch_tokens": 2048, "activation_checkpointing": bool(nproc)}
     assert os.path.exists(os.path.join(out, "curve.png"))
     assert "TRAIN action" in open(os.path.join(out, "samples_step00001.txt")).read()
+    # rank 0's sample, structured (tests/test_report.py checks its contents), and the run's page
+    dumped = report.read_records(os.path.join(out, "episodes_step00001.jsonl"))
+    assert len(dumped) == 3 and all(w["values"] for r in dumped for w in r["windows"])
+    assert [d["label"] for d in report.read_page(os.path.join(out, "report.html"))["runs"][0]["dumps"]] == \
+        ["step 0", "step 1"]
     load_policy(os.path.join(out, "hf"))  # the export loads in transformers
 
 
