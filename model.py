@@ -21,7 +21,6 @@ import re
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
 
@@ -138,17 +137,59 @@ def load_policy(path, dtype=torch.float32, device="cpu", config=None):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, config=config).to(device)
 
 
-class Actor(nn.Module):
-    """Wraps a causal LM; forward returns per-token log-probs (and entropies) of the targets."""
+PACKED_ATTENTION = "compactionrl_packed_sdpa"
+"""The trainer's attention implementation (registered with transformers' AttentionInterface):
+`packed_sdpa`."""
 
-    def __init__(self, lm, chunk_size=512):
+
+def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None,
+                sliding_window=None, **kwargs):
+    """Causal attention over a packed row (batch.pack): windows concatenated into one sequence,
+    position_ids restarting at 0 where each begins. Each window attends only to itself, by one
+    causal SDPA call per window: exact, and with no (N, N) block-diagonal mask to build or to
+    read, so the kernel runs as fast as on the windows alone.
+
+    query (1, heads, N, D); key, value (1, kv_heads, N, D). Returns ((1, N, heads, D), None), as
+    transformers' attention functions do. Sliding windows and soft-capping are not supported."""
+    if query.shape[0] != 1 or position_ids is None or attention_mask is not None:
+        raise ValueError(f"{PACKED_ATTENTION} takes one packed row with position_ids and no attention mask "
+                         f"(batch.pack); got batch {query.shape[0]}, position_ids "
+                         f"{'given' if position_ids is not None else 'None'}, mask {attention_mask is not None}")
+    if sliding_window is not None or kwargs.get("softcap") is not None:
+        raise NotImplementedError(f"{PACKED_ATTENTION}: sliding-window and soft-capped attention")
+    pos = position_ids.reshape(-1)
+    starts = (pos == 0).nonzero().flatten().tolist() + [len(pos)]
+    if starts[0] != 0:
+        raise ValueError(f"{PACKED_ATTENTION}: a packed row starts at position 0")
+    gqa = key.shape[1] != query.shape[1]
+    out = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout,
+                                          is_causal=True, scale=scaling, enable_gqa=gqa)
+           for a, b in zip(starts[:-1], starts[1:])]
+    return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _register_packed_attention():
+    from transformers import AttentionInterface
+    AttentionInterface.register(PACKED_ATTENTION, packed_sdpa)
+
+
+_register_packed_attention()
+
+
+class Actor(nn.Module):
+    """Wraps a causal LM; forward returns per-token log-probs (and entropies) of the targets of
+    a packed row. `save_softmax`: the log-prob head keeps its log-softmax for backward instead of
+    recomputing it (LogProbHead), where the memory plan says the whole of it fits."""
+
+    def __init__(self, lm, chunk_size=512, save_softmax=False):
         super().__init__()
         self.lm = lm
         self.chunk_size = chunk_size
+        self.save_softmax = save_softmax
 
-    def forward(self, input_ids, attention_mask, temperature=1.0, mask=None):
-        return token_logprobs(self.lm, input_ids, attention_mask, input_ids[:, 1:], temperature,
-                              self.chunk_size, mask)
+    def forward(self, input_ids, position_ids, temperature=1.0, mask=None, entropy="metric"):
+        return token_logprobs(self.lm, input_ids, input_ids[:, 1:], temperature, self.chunk_size, mask,
+                              position_ids=position_ids, entropy=entropy, save_softmax=self.save_softmax)
 
 
 class Critic(nn.Module):
@@ -161,8 +202,9 @@ class Critic(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, attention_mask):
-        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def forward(self, input_ids, position_ids=None, attention_mask=None):
+        h = self.backbone(input_ids=input_ids, position_ids=position_ids,
+                          attention_mask=attention_mask).last_hidden_state
         # clone: FSDP2 must not hand out a view of its output (an in-place op would skip its hooks)
         return self.value_head(h[:, :-1]).squeeze(-1).float().clone()  # (B, T): V before each target
 
@@ -174,45 +216,101 @@ def load_critic(path, dtype=torch.float32, device="cpu"):
     return Critic(backbone, cfg.hidden_size).to(device=device, dtype=dtype)
 
 
-def token_logprobs(model, input_ids, attention, targets, temperature=1.0, chunk_size=512, mask=None):
+ENTROPY = ("none", "metric", "loss")
+"""What token_logprobs does with the entropy: none (zeros), metric (computed, no gradient: for
+the log), loss (in the autograd graph: an entropy bonus)."""
+
+
+def token_logprobs(model, input_ids, targets, temperature=1.0, chunk_size=512, mask=None, attention_mask=None,
+                   position_ids=None, entropy="metric", save_softmax=False):
     """log softmax(logits / temperature) of each target token, and the entropy at each position.
 
-    input_ids, attention: (B, L); targets: (B, T) with T = L − 1 (the next tokens); mask: optional
-    (B, T) — when given, the LM head runs only where mask is nonzero (trainable tokens are a small
-    part of an agent's context) and the other positions are 0.
-    The head runs on chunks of `chunk_size` positions and, under autograd, each chunk is
-    recomputed in backward (activation checkpointing), so memory stays O(chunk·V), not O(B·T·V).
+    input_ids: (B, L), one packed row (position_ids, batch.pack) or right-padded rows
+    (attention_mask); targets: (B, T) with T = L − 1 (the next tokens); mask: optional (B, T) —
+    when given, the LM head runs only where mask is nonzero (trainable tokens are a small part of
+    an agent's context) and the other positions are 0.
+    The head (LogProbHead) runs on chunks of `chunk_size` positions, so its memory is
+    O(chunk·V), not O(B·T·V), unless `save_softmax` keeps the log-softmax for backward.
     Returns (logprobs, entropy), both (B, T) float32.
     """
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention).last_hidden_state
+    if entropy not in ENTROPY:
+        raise ValueError(f"entropy must be one of {ENTROPY}, got {entropy!r}")
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=position_ids).last_hidden_state
     hidden = hidden[:, :-1]  # (B, T, H): the state before each target
     B, T = targets.shape
     keep = torch.ones_like(targets, dtype=torch.bool) if mask is None else mask[:, :T] != 0
     h, y = hidden[keep], targets[keep]  # (N, H), (N,)
     head = model.get_output_embeddings()
-    lps, ents = [], []
-    for s in range(0, max(len(y), 1), chunk_size):
-        if torch.is_grad_enabled():
-            lp, ent = checkpoint(_head_logprobs, head, h[s:s + chunk_size], y[s:s + chunk_size],
-                                 temperature, use_reentrant=False)
-        else:
-            lp, ent = _head_logprobs(head, h[s:s + chunk_size], y[s:s + chunk_size], temperature)
-        lps.append(lp)
-        ents.append(ent)
-    lp_all = hidden.new_zeros(B, T, dtype=torch.float32).masked_scatter(keep, torch.cat(lps))
-    ent_all = hidden.new_zeros(B, T, dtype=torch.float32).masked_scatter(keep, torch.cat(ents))
+    lp, ent = LogProbHead.apply(h, head.weight, head.bias, y, temperature, chunk_size, entropy,
+                                save_softmax and torch.is_grad_enabled())
+    lp_all = hidden.new_zeros(B, T, dtype=torch.float32).masked_scatter(keep, lp.float())
+    ent_all = hidden.new_zeros(B, T, dtype=torch.float32).masked_scatter(keep, ent.float())
     return lp_all, ent_all
 
 
-def _head_logprobs(head, h, y, temperature):
-    logp = F.log_softmax(head(h).float() / temperature, dim=-1)  # (c, V)
-    entropy = -(logp.exp() * logp).sum(-1)  # (c,)
-    return logp.gather(-1, y.unsqueeze(-1)).squeeze(-1), entropy
+class LogProbHead(torch.autograd.Function):
+    """The LM head, log-softmax, gather of the targets' log-probs and (optionally) the entropy,
+    chunk by chunk over positions, with its own backward: only a chunk's (c, V) logits exist at
+    once, where a plain log_softmax(head(h)).gather holds (N, V) in several copies.
+
+    forward(h (N, H), weight (V, H), bias (V,) or None, targets (N,), temperature, chunk_size,
+    entropy (ENTROPY), save_softmax) -> (logprobs (N,), entropy (N,)), float32 (float64 for
+    float64 inputs).
+    Backward, per chunk, with z the logits / temperature, p = softmax(z), H the entropy:
+        ∂ log p_y / ∂z = onehot(y) − p,   ∂H / ∂z = −p ⊙ (log p + H)
+    from the saved log-softmax (save_softmax: N·V floats) or from a recomputed chunk (one more
+    matmul of the head per chunk). The entropy is in the graph only in mode "loss"; in "metric"
+    it is computed beside the log-probs (an elementwise pass) and has no gradient."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, temperature, chunk_size, entropy, save_softmax):
+        lps, ents, saved = [], [], []
+        for s in range(0, len(targets), chunk_size):
+            logp = _chunk_log_softmax(h[s:s + chunk_size], weight, bias, temperature)  # (c, V)
+            lps.append(logp.gather(-1, targets[s:s + chunk_size, None])[:, 0])
+            if entropy != "none":
+                ents.append(-(logp.exp() * logp).sum(-1))
+            if save_softmax:
+                saved.append(logp)
+        lp = torch.cat(lps) if lps else h.new_zeros(0, dtype=torch.float32)
+        ent = torch.cat(ents) if ents else torch.zeros_like(lp)
+        ctx.save_for_backward(h, weight, bias, targets, *([torch.cat(saved)] if saved else []))
+        ctx.temperature, ctx.chunk_size, ctx.entropy = temperature, chunk_size, entropy
+        if entropy != "loss":
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        h, weight, bias, targets, *saved = ctx.saved_tensors
+        c, t = ctx.chunk_size, ctx.temperature
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        grad_b = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
+        with_entropy = ctx.entropy == "loss" and g_ent is not None
+        for s in range(0, len(targets), c):
+            hs = h[s:s + c]
+            logp = saved[0][s:s + c] if saved else _chunk_log_softmax(hs, weight, bias, t)
+            p = logp.exp()
+            gl = g_lp[s:s + c, None]
+            gz = (-p * gl).scatter_add_(1, targets[s:s + c, None], gl)  # g·(onehot(y) − p)
+            if with_entropy:
+                ent = -(p * logp).sum(-1, keepdim=True)
+                gz -= g_ent[s:s + c, None] * p * (logp + ent)
+            gz = (gz / t).to(h.dtype)  # (c, V): the gradient of the logits
+            if grad_h is not None:
+                grad_h[s:s + c] = gz @ weight
+            if grad_w is not None:
+                grad_w += gz.T @ hs
+            if grad_b is not None:
+                grad_b += gz.sum(0)
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
-def token_values(critic, input_ids, attention):
-    """Critic values aligned with the targets: (B, T)."""
-    return critic(input_ids, attention)
+def _chunk_log_softmax(h, weight, bias, temperature):
+    z = F.linear(h, weight, bias)  # (c, V), in the compute dtype; the softmax in float32 or wider
+    return F.log_softmax(z.to(torch.promote_types(z.dtype, torch.float32)) / temperature, dim=-1)
 
 
 def export_pretrained(lm, tokenizer, out_dir, state_dict=None):

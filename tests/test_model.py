@@ -1,15 +1,21 @@
-"""model.py with the real tiny transformers model: save/load, chunked log-probs, engine/trainer
-log-prob agreement, token-in/token-out chat rendering, the critic.
+"""model.py with the real tiny transformers model: save/load, chunked log-probs and their
+gradients (LogProbHead), packed rows against windows alone, engine/trainer log-prob agreement,
+token-in/token-out chat rendering, the critic.
 
 Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_model.py
 """
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from model import (Actor, ChatCodec, build_tiny_model, export_pretrained, load_critic, load_policy,
-                   load_tokenizer, token_logprobs)
+import batch
+from model import (PACKED_ATTENTION, Actor, ChatCodec, Critic, LogProbHead, build_tiny_model, export_pretrained,
+                   hf_config, load_critic, load_policy, load_tokenizer, token_logprobs)
 from rollout import HFEngine
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 
 @pytest.fixture(scope="module")
@@ -59,19 +65,19 @@ def test_chunked_logprobs_equal_full_log_softmax(tiny, temperature):
     ref = full.gather(-1, ids[:, 1:, None])[..., 0]
     ref_ent = -(full.exp() * full).sum(-1)
     for chunk in (1, 3, 512):
-        lp, ent = token_logprobs(lm, ids, attn, ids[:, 1:], temperature, chunk_size=chunk)
+        lp, ent = token_logprobs(lm, ids, ids[:, 1:], temperature, chunk, attention_mask=attn)
         torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
     # with a mask the head runs only on the masked positions; the others are 0
     mask = torch.zeros(3, 10)
     mask[0, 2:5] = 1
     mask[2, 7] = 1
-    lp, ent = token_logprobs(lm, ids, attn, ids[:, 1:], temperature, chunk_size=2, mask=mask)
+    lp, ent = token_logprobs(lm, ids, ids[:, 1:], temperature, 2, mask, attention_mask=attn)
     torch.testing.assert_close(lp, ref * mask, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent, ref_ent * mask, atol=1e-5, rtol=1e-5)
     # gradients through the checkpointed chunks equal those of the plain computation
     lm.zero_grad()
-    token_logprobs(lm, ids, attn, ids[:, 1:], temperature, chunk_size=3)[0].sum().backward()
+    token_logprobs(lm, ids, ids[:, 1:], temperature, 3, attention_mask=attn)[0].sum().backward()
     g_chunk = [p.grad.clone() for p in lm.parameters()]
     lm.zero_grad()
     F.log_softmax(lm(ids, attention_mask=attn).logits[:, :-1].float() / temperature, -1) \
@@ -79,6 +85,89 @@ def test_chunked_logprobs_equal_full_log_softmax(tiny, temperature):
     for a, p in zip(g_chunk, lm.parameters()):
         torch.testing.assert_close(a, p.grad, atol=1e-5, rtol=1e-4)
     lm.zero_grad()
+
+
+def plain_head(h, weight, bias, y, temperature):
+    """The obviously correct head: full log-softmax, gather, entropy, under plain autograd."""
+    logp = F.log_softmax(F.linear(h, weight, bias) / temperature, -1)
+    return logp.gather(-1, y[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("save_softmax", [False, True])
+@pytest.mark.parametrize("entropy", ["none", "metric", "loss"])
+def test_log_prob_head_gradients_equal_plain_autograd(save_softmax, entropy):
+    """LogProbHead's own backward (from the saved log-softmax or from recomputed chunks) against
+    torch autograd through the plain head, in float64; the entropy gets a gradient in mode loss
+    only, and gradcheck confirms the Jacobians numerically."""
+    g = torch.Generator().manual_seed(0)
+    N, H, V, t = 11, 6, 13, 0.7
+    h = torch.randn(N, H, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(V, H, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(V, dtype=torch.float64, generator=g, requires_grad=True)
+    y = torch.randint(0, V, (N,), generator=g)
+    g_lp, g_ent = torch.randn(N, dtype=torch.float64, generator=g), torch.randn(N, dtype=torch.float64, generator=g)
+    ref_lp, ref_ent = plain_head(h, w, b, y, t)
+    ref_grads = torch.autograd.grad((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum() * (entropy == "loss"),
+                                    (h, w, b))
+    for chunk in (1, 4, N):
+        lp, ent = LogProbHead.apply(h, w, b, y, t, chunk, entropy, save_softmax)
+        torch.testing.assert_close(lp, ref_lp, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(ent, ref_ent if entropy != "none" else torch.zeros_like(ent),
+                                   rtol=1e-12, atol=1e-12)
+        assert ent.requires_grad == (entropy == "loss")
+        loss = (lp * g_lp).sum() + ((ent * g_ent).sum() if entropy == "loss" else 0)
+        for got, want in zip(torch.autograd.grad(loss, (h, w, b)), ref_grads):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    outputs = (lambda lp, ent: lp + ent) if entropy == "loss" else (lambda lp, ent: lp)
+    assert torch.autograd.gradcheck(lambda *a: outputs(*LogProbHead.apply(*a, y[:5], t, 2, entropy, save_softmax)),
+                                    (h[:5].detach().requires_grad_(), w, b))
+
+
+def qwen3_like(tmp_path):
+    """A small model of the Qwen3-8B config's family: grouped-query attention (4 query heads per
+    key-value head), an untied head, RMS-normed q and k."""
+    from transformers import AutoModelForCausalLM
+    cfg = hf_config(os.path.join(DATA, "qwen3-8b"))
+    for key, value in {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 8,
+                       "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300}.items():
+        setattr(cfg, key, value)
+    cfg.layer_types = cfg.layer_types[:2]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(tmp_path))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["tiny", "qwen3"])
+def test_packed_rows_equal_windows_alone(tiny, tmp_path, family):
+    """One packed row (batch.pack, attention PACKED_ATTENTION) gives each window the log-probs,
+    entropies, gradients and critic values it gets when it runs alone (default attention, no
+    padding), and the head runs where the mask says only."""
+    from transformers import AutoModel, AutoModelForCausalLM
+    path = tiny[0] if family == "tiny" else qwen3_like(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    packed = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=PACKED_ATTENTION)
+    critic = Critic(AutoModel.from_pretrained(path, attn_implementation=PACKED_ATTENTION), plain.config.hidden_size)
+    torch.nn.init.normal_(critic.value_head.weight)
+    g = torch.Generator().manual_seed(1)
+    lengths = [2, 9, 30, 5, 17]
+    windows = [torch.randint(3, plain.config.vocab_size, (n,), generator=g) for n in lengths]
+    masks = [(torch.rand(n - 1, generator=g) < 0.7).float() for n in lengths]
+    ids, pos, (mask,) = batch.pack(windows, [masks])
+    assert ids.shape == (1, sum(lengths)) and mask.shape == (1, sum(lengths) - 1)
+    lp, ent = token_logprobs(packed, ids, ids[:, 1:], 0.9, 8, mask, position_ids=pos)
+    (lp.sum() + ent.sum()).backward()
+    values = critic(ids, pos)
+    grads = {n: p.grad.clone() for n, p in packed.named_parameters()}
+    for w, m, lp_w, ent_w, v_w in zip(windows, masks, *(batch.unpack(x, lengths) for x in (lp, ent, values))):
+        ref_lp, ref_ent = token_logprobs(plain, w[None], w[None, 1:], 0.9, 8, m[None])
+        torch.testing.assert_close(lp_w, ref_lp[0], rtol=1e-6, atol=2e-6)
+        torch.testing.assert_close(ent_w, ref_ent[0], rtol=1e-6, atol=2e-6)
+        (ref_lp.sum() + ref_ent.sum()).backward()
+        critic.backbone.set_attn_implementation("sdpa")
+        torch.testing.assert_close(v_w, critic(w[None])[0], rtol=1e-5, atol=1e-5)
+        critic.backbone.set_attn_implementation(PACKED_ATTENTION)
+    for n, p in plain.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5, msg=n)
 
 
 def test_engine_logprobs_equal_trainer_logprobs(tiny):
@@ -94,7 +183,7 @@ def test_engine_logprobs_equal_trainer_logprobs(tiny):
             assert 1 <= len(g.token_ids) <= 9
             ids = torch.tensor([p + g.token_ids])
             with torch.no_grad():
-                lp, _ = actor(ids, torch.ones_like(ids), temperature)
+                lp, _ = actor(ids, None, temperature)
             torch.testing.assert_close(lp[0, len(p) - 1:], torch.tensor(g.logprobs), atol=1e-4, rtol=0)
 
 

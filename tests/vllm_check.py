@@ -29,7 +29,7 @@ def recompute(lm, prompts, gens, temperature):
     with torch.no_grad():
         for p, g in zip(prompts, gens):
             ids = torch.tensor([p + g.token_ids])
-            lp, _ = Actor(lm)(ids, torch.ones_like(ids), temperature)  # (1, L - 1)
+            lp, _ = Actor(lm)(ids, None, temperature)  # (1, L - 1)
             mine = lp[0, len(p) - 1:]
             worst = max(worst, (mine - torch.tensor(g.logprobs)).abs().max().item())
     return worst
@@ -60,7 +60,7 @@ def one_update(lm, prompts, gens):
     loss = 0.0
     for p, g in zip(prompts, gens):
         ids = torch.tensor([p + g.token_ids])
-        lp, _ = Actor(lm)(ids, torch.ones_like(ids), 1.0)
+        lp, _ = Actor(lm)(ids, None, 1.0)
         loss = loss - lp[0, len(p) - 1:].sum()
     loss.backward()
     opt.step()
