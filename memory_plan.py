@@ -17,7 +17,8 @@ dtype's bytes (2 for bf16 mixed precision, 4 for float32), b_e the engine's:
   (the norms keep float32 copies); with --activation-checkpointing only each layer's input, T·H·b,
   plus one layer's activations while it is recomputed;
 * the log-prob head: chunks of 512 positions × V logits, in b and in float32 (log-softmax,
-  entropy, their gradients);
+  entropy, their gradients); in the update, where it fits (`choose_head`), also the float32
+  log-softmax of all T positions, kept for backward;
 * the engine: vLLM holds its weights (b_e·P), --kv-cache-gib and a workspace while awake (rollout,
   weight push) and releases them asleep (sleep level 1, GPU); HFEngine holds its weights always
   and, while generating, a KV cache for every episode of the rank at the longest window;
@@ -127,6 +128,7 @@ class Setup:
     max_new_tokens: int  # longest generation (HFEngine keeps its logits)
     activation_checkpointing: bool
     cpu_offload: bool
+    save_head: bool = False  # the log-prob head keeps its log-softmax for backward (choose_head)
 
 
 def plan(shapes, s):
@@ -154,6 +156,8 @@ def plan(shapes, s):
     out = {"rollout": {**resident, **generating}}
     T = s.window
     head = HEAD_CHUNK * shapes.vocab * (b + 6 * 4)  # logits in b, float32 copy, log-softmax, exp, grads
+    if s.save_head:
+        head += T * shapes.vocab * 4  # the float32 log-softmax of every position, kept for backward
     for phase, root, grads in (("critic", shapes.critic_root_params, Pc), ("actor", shapes.root_params, P)):
         gathered = root * 2 * b + shapes.layer_params * (3 * b + 4)  # params and grads; 2 layers; reduce copy
         if s.activation_checkpointing:
@@ -173,6 +177,15 @@ def plan(shapes, s):
     cast = 1 / W if b_e != 4 else 0
     out["sync"] = {**resident, **pushing, "push buffer": shapes.largest * b_e * (1 + cast + (0 if s.gpu else 1))}
     return {p: {k: int(v) for k, v in out[p].items()} for p in PHASES}, host
+
+
+def choose_head(shapes, s):
+    """`s` with save_head set where the plan still fits with it: model.LogProbHead then keeps its
+    log-softmax for backward and skips recomputing the head's logits there (one matmul of the
+    head per chunk). At long windows and large vocabularies it does not fit, and the head keeps
+    its O(chunk · V) memory."""
+    saved = replace(s, save_head=True)
+    return saved if fits(plan(shapes, saved)[0], saved) else replace(s, save_head=False)
 
 
 def peaks(phases, s):
@@ -222,7 +235,8 @@ def describe(shapes, s, phases, host):
     lines = [f"memory plan per rank: {_count(shapes.params)}-parameter actor, {_count(shapes.critic_params)} "
              f"critic, {s.world} ranks, {'bf16' if s.mixed_precision else 'fp32'} compute, {s.engine} engine, "
              f"longest micro-batch {s.window} tokens, activation checkpointing "
-             f"{'on' if s.activation_checkpointing else 'off'}, CPU offload {'on' if s.cpu_offload else 'off'}",
+             f"{'on' if s.activation_checkpointing else 'off'}, CPU offload {'on' if s.cpu_offload else 'off'}, "
+             f"log-prob head {'saves its log-softmax' if s.save_head else 'recomputes its chunks'}",
              f"{'GiB':<{width}} " + " ".join(f"{p:>8}" for p in PHASES)]
     for n in names:
         lines.append(f"{n:<{width}} " + " ".join(f"{phases[p].get(n, 0) / GiB:8.2f}" if n in phases[p] else

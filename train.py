@@ -25,6 +25,7 @@ compacted episode succeeds by chance only; a learning rate for a 10^6-parameter 
 cross-trajectory GAE.
 """
 import os
+import warnings
 from dataclasses import asdict
 
 import torch
@@ -37,31 +38,36 @@ import report
 import rundir
 from advantage import (adaptive_lambda, concatenated_gae, correction_factor, cross_trajectory_gae,
                        group_advantage, masked_whiten, rollout_lengths, segment_gae)
-from batch import micro_batches, minibatch_indices, pack_micro_batches, pad, to_rows
+from batch import assign_groups, micro_batches, minibatch_indices, pack_micro_batches, pad, to_rows, unpack
 from compaction import SUMMARY_INSTRUCTION
 from config import Config, finalize, parse_config
 from loss import finalize_metrics, normalizer_weights, ppo_policy_loss, value_loss
 from metrics import (Logger, explained_variance, merge_sums, plot_curve, reduce_sums, rollout_metrics,
                      segment_share_metrics, timed)
-from model import Actor, ChatCodec, Critic, build_tiny_model, export_pretrained, hf_config, load_tokenizer
+from model import (PACKED_ATTENTION, Actor, ChatCodec, Critic, build_tiny_model, export_pretrained, hf_config,
+                   load_tokenizer)
 from rollout import RolloutConfig, format_episode, make_engine, run_episodes
 
 
 # --- (0) set-up ---------------------------------------------------------------------------------
 
-def make_models(cfg, model_path, device, actor_only=False):
+def make_models(cfg, model_path, device, actor_only=False, save_softmax=False):
+    """The actor and critic, sharded (fsdp.load_sharded), running packed rows (batch.pack) with
+    the per-window attention model.PACKED_ATTENTION. save_softmax: the memory plan's choice for
+    the log-prob head (memory_plan.choose_head)."""
     from transformers import AutoModel, AutoModelForCausalLM
     mp = cfg.mixed_precision and device.type == "cuda"
     hf_cfg = hf_config(model_path, cfg.rope_scaling)
+    attn = {"attn_implementation": PACKED_ATTENTION}
 
     def build_actor(meta):
-        lm = AutoModelForCausalLM.from_config(hf_cfg) if meta else \
-            AutoModelForCausalLM.from_pretrained(model_path, config=hf_cfg, dtype=torch.float32)
-        return Actor(lm)
+        lm = AutoModelForCausalLM.from_config(hf_cfg, **attn) if meta else \
+            AutoModelForCausalLM.from_pretrained(model_path, config=hf_cfg, dtype=torch.float32, **attn)
+        return Actor(lm, save_softmax=save_softmax)
 
     def build_critic(meta):
-        backbone = AutoModel.from_config(hf_cfg) if meta else \
-            AutoModel.from_pretrained(model_path, config=hf_cfg, dtype=torch.float32)
+        backbone = AutoModel.from_config(hf_cfg, **attn) if meta else \
+            AutoModel.from_pretrained(model_path, config=hf_cfg, dtype=torch.float32, **attn)
         return Critic(backbone, hf_cfg.hidden_size)
 
     actor = fsdp.load_sharded(build_actor, device, mp, cfg.activation_checkpointing, cfg.cpu_offload)
@@ -147,7 +153,7 @@ def prepare_run(cfg, rank, world, device):
     fsdp.fail_together(write_run_files, rank0_only=True)
     fsdp.fail_together(lambda: check_model(cfg, model_path))
     setup = memory_setup(cfg, world, device.type == "cuda")
-    shapes, phases = fsdp.fail_together(lambda: check_memory(cfg, model_path, setup))
+    shapes, setup, phases = fsdp.fail_together(lambda: check_memory(cfg, model_path, setup))
     return model_path, resume_from, swe_rows, (shapes, setup, phases)
 
 
@@ -169,8 +175,9 @@ def memory_setup(cfg, world, gpu):
 def check_memory(cfg, model_path, setup):
     """The memory plan of this run (memory_plan.py) from the model's config: raises, with the plan
     and the flags that would make it fit, when a phase does not fit the device. Returns (Shapes,
-    {phase: {component: bytes}})."""
+    the Setup with the log-prob head's mode chosen, {phase: {component: bytes}})."""
     shapes = memory_plan.model_shapes(hf_config(model_path, cfg.rope_scaling))
+    setup = memory_plan.choose_head(shapes, setup)
     phases, host = memory_plan.plan(shapes, setup)
     if not memory_plan.fits(phases, setup):
         fixes = memory_plan.remedies(shapes, setup, {"kv_cache_gib": cfg.kv_cache_gib})
@@ -178,7 +185,7 @@ def check_memory(cfg, model_path, setup):
             f"It fits with {' or with '.join(fixes)}." if fixes else
             "No flag of the plan makes it fit: shorten the longest window (--context-budget, --max-summary-tokens, "
             "--max-observation-tokens), or spread the states over more ranks."))
-    return shapes, phases
+    return shapes, setup, phases
 
 
 def print_plan(cfg, world):
@@ -190,10 +197,10 @@ def print_plan(cfg, world):
     gpu = torch.cuda.is_available() if cfg.plan_device == "auto" else cfg.plan_device == "cuda"
     if gpu and not torch.cuda.is_available() and not cfg.device_memory_gib:
         raise ValueError("--plan-device cuda without a GPU here: give its memory with --device-memory-gib")
-    setup = memory_setup(cfg, world, gpu)
     with tempfile.TemporaryDirectory() as tmp:
         model_path = cfg.model or build_tiny_model(tmp, **tiny_model_args(cfg))
         shapes = memory_plan.model_shapes(hf_config(model_path, cfg.rope_scaling))
+    setup = memory_plan.choose_head(shapes, memory_setup(cfg, world, gpu))
     phases, host = memory_plan.plan(shapes, setup)
     print(memory_plan.describe(shapes, setup, phases, host))
     if setup.engine == "vllm" and gpu:
@@ -263,18 +270,19 @@ def tiny_model_args(cfg):
 # --- (2) old log-probs and values ---------------------------------------------------------------
 
 @torch.no_grad()
-def score(actor, critic, rows, cfg, pad_id, device, ref=None):
-    """log π_old and V_old (and log π_ref with a KL penalty) at every target position."""
-    for mb, b in micro_batches(rows, list(range(len(rows))), cfg.micro_batch_tokens, pad_id, device):
-        lp, _ = actor(b["input_ids"], b["attention"], cfg.temperature, b["mask"])
-        v = critic(b["input_ids"], b["attention"])
-        ref_lp = ref(b["input_ids"], b["attention"], cfg.temperature, b["mask"])[0] if ref else None
-        for j, i in enumerate(mb or []):
-            T = len(rows[i]["mask"])
-            rows[i]["old_logprobs"] = lp[j, :T].float().cpu()
-            rows[i]["old_values"] = v[j, :T].float().cpu()
-            if ref is not None:
-                rows[i]["ref_logprobs"] = ref_lp[j, :T].float().cpu()
+def score(actor, critic, rows, cfg, device, ref=None):
+    """log π_old and V_old (and log π_ref with a KL penalty) at every target position (log-probs
+    only where the mask is 1, 0 elsewhere)."""
+    for mb, b in micro_batches(rows, list(range(len(rows))), cfg.micro_batch_tokens, device):
+        ids, pos, mask = b["input_ids"], b["position_ids"], b["mask"]
+        out = {"old_logprobs": actor(ids, pos, cfg.temperature, mask, entropy="none")[0],
+               "old_values": critic(ids, pos)}
+        if ref is not None:
+            out["ref_logprobs"] = ref(ids, pos, cfg.temperature, mask, entropy="none")[0]
+        lengths = [len(rows[i]["ids"]) for i in mb or []]
+        for key, packed in out.items():
+            for i, x in zip(mb or [], unpack(packed.float().cpu(), lengths)):
+                rows[i][key] = x
 
 
 # --- (3) advantages and returns -----------------------------------------------------------------
@@ -322,7 +330,7 @@ def advantages(rows, cfg, group_ids):
 
 # --- (4)/(5) optimization -------------------------------------------------------------------------
 
-def optimize(module, optimizer, rows, idx, loss_fn, cfg, pad_id, device, keys):
+def optimize(module, optimizer, rows, idx, loss_fn, cfg, device, keys):
     """One optimizer step over the mini-batch rows[idx] on every rank.
 
     The denominator (Z for the token normalizer) is all-reduced ONCE; each micro-batch adds
@@ -347,7 +355,7 @@ def optimize(module, optimizer, rows, idx, loss_fn, cfg, pad_id, device, keys):
     for i in idx:
         rows[i]["weights"] = local_w[i]
     sums, loss_total = {}, torch.zeros((), dtype=torch.float64)
-    for mb, b in micro_batches(rows, idx, cfg.micro_batch_tokens, pad_id, device, keys + ("weights",)):
+    for mb, b in micro_batches(rows, idx, cfg.micro_batch_tokens, device, keys + ("weights",)):
         loss_sum, metrics = loss_fn(module, b)
         (loss_sum / denom * world).backward()
         loss_total += loss_sum.detach().double().cpu()
@@ -363,10 +371,11 @@ def optimize(module, optimizer, rows, idx, loss_fn, cfg, pad_id, device, keys):
 
 
 def policy_loss_fn(cfg):
+    # the entropy enters the graph only when it is in the loss; else it is computed for the log
+    entropy = "loss" if cfg.entropy_coef else "metric"
+
     def fn(actor, b):
-        lp, ent = actor(b["input_ids"], b["attention"], cfg.temperature, b["mask"])
-        T = b["mask"].shape[1]
-        lp, ent = lp[:, :T], ent[:, :T]
+        lp, ent = actor(b["input_ids"], b["position_ids"], cfg.temperature, b["mask"], entropy)
         if "advantages" not in b:  # dummy micro-batch: zero loss, same collectives
             return (lp * 0).sum(), {}
         loss, metrics = ppo_policy_loss(lp, b["old_logprobs"], b["advantages"], b["mask"],
@@ -386,7 +395,7 @@ def policy_loss_fn(cfg):
 
 def value_loss_fn(cfg):
     def fn(critic, b):
-        v = critic(b["input_ids"], b["attention"])[:, :b["mask"].shape[1]]
+        v = critic(b["input_ids"], b["position_ids"])
         if "returns" not in b:
             return (v * 0).sum(), {}
         return value_loss(v, b["old_values"], b["returns"], b["mask"], cfg.value_clip or None,
@@ -396,10 +405,21 @@ def value_loss_fn(cfg):
 
 def sft_loss_fn(cfg):
     def fn(actor, b):
-        lp, _ = actor(b["input_ids"], b["attention"], 1.0, b["mask"])
-        T = b["mask"].shape[1]
-        return -(lp[:, :T] * b["mask"] * b.get("weights", 1.0)).sum(), {"tokens": b["mask"].sum().detach()}
+        lp, _ = actor(b["input_ids"], b["position_ids"], 1.0, b["mask"], entropy="none")
+        return -(lp * b["mask"] * b.get("weights", 1.0)).sum(), {"tokens": b["mask"].sum().detach()}
     return fn
+
+
+def adam(params, lr):
+    """torch's fused Adam (one kernel updates every parameter, where the for-each implementation
+    makes several passes over them); where this torch build has none for the parameters' device,
+    the for-each one, with a warning that says why."""
+    params = list(params)
+    try:
+        return torch.optim.Adam(params, lr=lr, fused=True)
+    except RuntimeError as e:  # raised at construction: unsupported device or dtype
+        warnings.warn(f"fused Adam is not available here ({e}); using the for-each implementation")
+        return torch.optim.Adam(params, lr=lr)
 
 
 def push_weights(actor, engine, device):
@@ -411,18 +431,17 @@ def push_weights(actor, engine, device):
     engine.load_weights((k.removeprefix("lm."), v) for k, v in fsdp.iter_full_tensors(actor, device, engine.dtype))
 
 
-def warmup(actor, cfg, codec, rank, per_rank, pad_id, device, print0):
+def warmup(actor, cfg, codec, rank, per_rank, device, print0):
     """Supervised steps on demo episodes (memory task; see the module docstring). The episodes
     come from the real rollout loop, so the format includes compaction and resumption."""
     demo = memory_task.WarmupDemoEngine(codec, cfg.memory_keys, seed=cfg.seed * 7919 + rank)
-    opt = torch.optim.Adam(actor.parameters(), lr=cfg.warmup_lr)
+    opt = adam(actor.parameters(), cfg.warmup_lr)
     n = min(per_rank, 64)
     for w in range(cfg.warmup_steps):
         envs, tids = make_envs(cfg, -1 - w, rank, n * cfg.group_size, warmup=True)
         eps = run_episodes(demo, codec, envs, rollout_config(cfg), list(range(len(envs))), tids)
         rows = to_rows([s for e in eps for s in e.segments], "trained")
-        _, stats, _ = optimize(actor, opt, rows, list(range(len(rows))), sft_loss_fn(cfg), cfg, pad_id,
-                               device, ())
+        _, stats, _ = optimize(actor, opt, rows, list(range(len(rows))), sft_loss_fn(cfg), cfg, device, ())
         if w % 10 == 0 or w == cfg.warmup_steps - 1:
             print0(f"warm-up {w + 1}/{cfg.warmup_steps}: nll/token {stats.get('loss', 0):.3f}")
 
@@ -438,11 +457,11 @@ def trainable_episodes(episodes, keep_env_errors=False, mask_truncated=False):
 
 
 def batch_sizes(rows, minibatches, budget):
-    """The sizes the memory plan assumes at their worst: the longest window, and the padded tokens of
-    the largest micro-batch (scoring packs all rows, an update one mini-batch), global maxima; and
+    """The sizes the memory plan assumes at their worst: the longest window, and the tokens of the
+    largest micro-batch (scoring packs all rows, an update one mini-batch), global maxima; and
     the tokens of all windows, a global sum (what one pass over the batch processes)."""
     lengths = [len(r["ids"]) for r in rows]
-    packed = [max(lengths[i] for i in mb) * len(mb)
+    packed = [sum(lengths[i] for i in mb)
               for idx in [list(range(len(rows)))] + minibatches
               for mb in ([idx[j] for j in b] for b in pack_micro_batches([lengths[i] for i in idx], budget))]
     worst = fsdp.all_reduce([max(lengths, default=0), max(packed, default=0)], dist.ReduceOp.MAX)
@@ -451,7 +470,7 @@ def batch_sizes(rows, minibatches, budget):
 
 
 def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, codec, rank, per_rank,
-               pad_id, device, meter, swe_rows=None):
+               device, meter, swe_rows=None):
     times, m = {}, {}
     # (1) rollouts with compaction on this rank's share of tasks
     with timed(times, "rollout"), meter.phase("rollout"):
@@ -466,14 +485,17 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
         engine.sleep()
     kept = trainable_episodes(episodes, cfg.keep_env_errors, cfg.mask_truncated)
     rows = to_rows([s for e in kept for s in e.segments], cfg.summaries)
-    group_of = {e.rollout_id: e.group_id for e in episodes}
+    group_of = {e.rollout_id: e.group_id for e in kept}
+    for r in rows:
+        r["group_id"] = group_of[r["rollout_id"]]
+    rows = assign_groups(rows)  # the same tokens on every rank, whole groups moved
     # (2) old log-probs and values
     with timed(times, "score"), meter.phase("score"):
-        score(actor, critic, rows, cfg, pad_id, device, ref)
+        score(actor, critic, rows, cfg, device, ref)
     diff = sum(float(((r["old_logprobs"] - r["sampler_logprobs"]).abs() * r["mask"]).sum()) for r in rows)
     # (3) advantages and returns
     with timed(times, "advantage"):
-        sums = advantages(rows, cfg, [group_of[r["rollout_id"]] for r in rows]) if rows else {}
+        sums = advantages(rows, cfg, [r["group_id"] for r in rows]) if rows else {}
     sums = {k: float(fsdp.all_reduce(sums.get(k, 0.0))) for k in ("lambda", "correction", "early_tokens")}
     m.update(rollout_metrics(episodes, rows))
     m["adv/lambda"] = sums["lambda"] / max(m["rollout/trainable_tokens"], 1)
@@ -485,8 +507,8 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
     with timed(times, "critic"), meter.phase("critic"):
         for _ in range(cfg.critic_updates):
             for idx in mbs:
-                sums, stats, sk = optimize(critic, opt_c, rows, idx, value_loss_fn(cfg), cfg, pad_id,
-                                           device, ("old_values", "returns"))
+                sums, stats, sk = optimize(critic, opt_c, rows, idx, value_loss_fn(cfg), cfg, device,
+                                           ("old_values", "returns"))
                 crit.append(sums)
                 crit_steps.append(stats)
                 skipped += sk
@@ -496,8 +518,8 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
         with timed(times, "actor"), meter.phase("actor"):
             for _ in range(cfg.ppo_epochs):
                 for idx in mbs:
-                    sums, stats, sk = optimize(actor, opt_a, rows, idx, policy_loss_fn(cfg), cfg, pad_id,
-                                               device, ("old_logprobs", "advantages")
+                    sums, stats, sk = optimize(actor, opt_a, rows, idx, policy_loss_fn(cfg), cfg, device,
+                                               ("old_logprobs", "advantages")
                                                + (("ref_logprobs",) if ref is not None else ()))
                     pol.append(sums)
                     pol_steps.append(stats)
@@ -545,11 +567,10 @@ def main(cfg):
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     meter = memory_plan.PeakMeter()  # before the models: on a CPU it measures from here
     torch.manual_seed(cfg.seed)  # the same initial weights everywhere (only rank 0's are used)
-    actor, critic = make_models(cfg, model_path, device)
+    actor, critic = make_models(cfg, model_path, device, save_softmax=setup.save_head)
     # the KL reference: a frozen copy of the policy as RL starts (after the warm-up)
     ref = make_models(cfg, model_path, device, actor_only=True).requires_grad_(False) if cfg.kl_coef else None
-    opt_a = torch.optim.Adam(actor.parameters(), lr=cfg.actor_lr)
-    opt_c = torch.optim.Adam(critic.parameters(), lr=cfg.critic_lr)
+    opt_a, opt_c = adam(actor.parameters(), cfg.actor_lr), adam(critic.parameters(), cfg.critic_lr)
     # CRUCIAL: a different sampling seed per rank, or every rank would sample the same rollouts.
     fsdp.set_rng_state(seeded_rng(cfg.seed + rank))
     ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
@@ -564,7 +585,7 @@ def main(cfg):
     fraction = memory_plan.engine_fraction(shapes, setup) if setup.gpu and setup.engine == "vllm" else None
     engine = engine_for(cfg, model_path, pad_id, device, fraction)
     if start == 0 and cfg.warmup_steps:
-        warmup(actor, cfg, codec, rank, per_rank, pad_id, device, print0)
+        warmup(actor, cfg, codec, rank, per_rank, device, print0)
     if start == 0 and ref is not None:
         ref.load_state_dict(actor.state_dict())
     push_weights(actor, engine, device)
@@ -583,17 +604,18 @@ def main(cfg):
             for group in opt.param_groups:
                 group["lr"] = lr * frac
         metrics, episodes, rows = train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen,
-                                             codec, rank, per_rank, pad_id, device, meter, swe_rows)
+                                             codec, rank, per_rank, device, meter, swe_rows)
         logger.log(step, {**metrics, "train/actor_lr": cfg.actor_lr * frac})
         bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", comp=f"{metrics['rollout/compactions']:.2f}",
                         s=f"{metrics['time/step']:.1f}")
         if step % cfg.dump_every == 0 or step == cfg.steps - 1:
             sample = sorted(episodes, key=lambda e: -e.compactions)[:2] + episodes[-1:]
+            sample_rows = rows_of(rows, [e.rollout_id for e in sample])
             logger.text(f"samples_step{step:05d}.txt",
                         "\n\n".join(format_episode(e, lambda ids: tokenizer.decode(ids)) for e in sample))
             if rank == 0:
                 plot_curve(logger.path, os.path.join(cfg.out_dir, "curve.png"))
-                report.dump_step(cfg.out_dir, step, sample, rows, tokenizer.decode, cfg.gamma)  # and report.html
+                report.dump_step(cfg.out_dir, step, sample, sample_rows, tokenizer.decode, cfg.gamma)  # and report.html
         if cfg.export_every and (step + 1) % cfg.export_every == 0:
             export(actor, model_path, tokenizer, os.path.join(cfg.out_dir, f"hf_step_{step}"), rank, cfg.rope_scaling)
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step == cfg.steps - 1:
@@ -608,6 +630,16 @@ def main(cfg):
         if e is not None:
             e.close()  # an in-process vLLM engine also destroys the default process group
     fsdp.close_distributed()
+
+
+def rows_of(rows, rollout_ids):
+    """On rank 0, the rows of rank 0's `rollout_ids` (its dumped episodes), on whichever rank
+    batch.assign_groups placed them; None on the other ranks. A collective."""
+    wanted = [set(rollout_ids)]
+    dist.broadcast_object_list(wanted, src=0)
+    found = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object([r for r in rows if r["rollout_id"] in wanted[0]], found, dst=0)
+    return None if found is None else [r for part in found for r in part]
 
 
 def seeded_rng(seed):

@@ -58,8 +58,8 @@ def checkpointed_layer_calls(module, vocab):
     calls = [0]
     layers = fsdp.decoder_layers(module)
     hooks = [layer.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for layer in layers]
-    ids = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
-    out = module(ids, torch.ones_like(ids))
+    ids = torch.randint(3, vocab, (1, 24), generator=torch.Generator().manual_seed(0))
+    out = module(ids, torch.arange(12).repeat(2)[None])  # a packed row of two windows
     (out[0] if isinstance(out, tuple) else out).sum().backward()
     module.zero_grad(set_to_none=True)
     for h in hooks:
@@ -128,35 +128,37 @@ def main(out_path, model_dir):
                                     for name, m in (("actor", actor), ("critic", critic))})
     push = gather_to_rank0(pushed(actor, device))
     segs = fixed_segments(len(tok))
-    mine = [s for s in segs if s.rollout_id % world == rank]  # a rollout's segments stay together
-    rows = batch.to_rows(mine, "trained")
-    train.score(actor, critic, rows, cfg, tok.pad_token_id, device)
+    # every rollout starts on rank 0; batch.assign_groups spreads them over the ranks by tokens
+    rows = batch.to_rows(segs if rank == 0 else [], "trained")
+    for r in rows:
+        r["group_id"] = r["rollout_id"]
+    rows = batch.assign_groups(rows)
+    assigned = gather_to_rank0({r["rollout_id"]: sum(len(s["ids"]) for s in rows if s["rollout_id"] == r["rollout_id"])
+                                for r in rows})
+    train.score(actor, critic, rows, cfg, device)
     train.advantages(rows, cfg, [r["rollout_id"] for r in rows])
     idx = list(range(len(rows)))
     rec = GradRecorder(actor)
-    train.optimize(actor, rec, rows, idx, train.policy_loss_fn(cfg), cfg, tok.pad_token_id, device,
-                   ("old_logprobs", "advantages"))
+    train.optimize(actor, rec, rows, idx, train.policy_loss_fn(cfg), cfg, device, ("old_logprobs", "advantages"))
     # SGD, not Adam: Adam's g / (√v + ε) turns the last-bit differences of a gradient near ε (1e-9
     # on some embedding rows, summed in another order on 2 ranks) into update differences of ~1e-5
     opt_a = torch.optim.SGD(actor.parameters(), lr=0.1)
     opt_c = torch.optim.SGD(critic.parameters(), lr=0.1)
-    train.optimize(critic, opt_c, rows, idx, train.value_loss_fn(cfg), cfg, tok.pad_token_id, device,
-                   ("old_values", "returns"))
-    train.optimize(actor, opt_a, rows, idx, train.policy_loss_fn(cfg), cfg, tok.pad_token_id, device,
-                   ("old_logprobs", "advantages"))
+    train.optimize(critic, opt_c, rows, idx, train.value_loss_fn(cfg), cfg, device, ("old_values", "returns"))
+    train.optimize(actor, opt_a, rows, idx, train.policy_loss_fn(cfg), cfg, device, ("old_logprobs", "advantages"))
     actor_sd = fsdp.full_state_dict(actor, cpu_offload=True)
     critic_sd = fsdp.full_state_dict(critic, cpu_offload=True)
     # a non-finite advantage on ONE rank: every rank skips the step and the weights stay as they were
     if rank == world - 1 and rows:
         rows[0]["advantages"] = rows[0]["advantages"] * float("nan")
-    _, stats, skipped = train.optimize(actor, opt_a, rows, idx, train.policy_loss_fn(cfg), cfg,
-                                       tok.pad_token_id, device, ("old_logprobs", "advantages"))
+    _, stats, skipped = train.optimize(actor, opt_a, rows, idx, train.policy_loss_fn(cfg), cfg, device,
+                                       ("old_logprobs", "advantages"))
     after = fsdp.full_state_dict(actor, cpu_offload=True)
     unchanged = all(torch.equal(after[k], actor_sd[k]) for k in actor_sd) if rank == 0 else None
     if rank == 0:
         torch.save({"grads": rec.grads, "actor": actor_sd, "critic": critic_sd,
                     "nan_step_skipped": skipped, "nan_step_unchanged": unchanged,
-                    "checkpointed_calls": checkpointed, "push": push}, out_path)
+                    "checkpointed_calls": checkpointed, "push": push, "assigned": assigned}, out_path)
     fsdp.close_distributed()
 
 

@@ -136,6 +136,15 @@ def test_the_weight_push_streams_tensors_in_the_engines_dtype(dist_runs):
             assert seen["equal"] and seen["names"] and seen["released_first"], (n, rank, seen)
 
 
+def test_rows_are_spread_over_ranks_by_tokens_with_whole_rollouts(dist_runs):
+    """batch.assign_groups: every rollout lands whole on one rank, and the ranks' token loads
+    differ by at most the largest rollout (largest-first placement)."""
+    res, _ = dist_runs
+    one, (a, b) = res[1]["assigned"][0], res[2]["assigned"]
+    assert not set(a) & set(b) and {**a, **b} == one
+    assert abs(sum(a.values()) - sum(b.values())) <= max(one.values())
+
+
 def test_one_rank_equals_two_ranks_and_loss_is_the_global_token_mean(dist_runs):
     res, model = dist_runs
     for n in (1, 2):  # a NaN in the loss skips the step on every rank, weights untouched
@@ -155,7 +164,7 @@ def test_one_rank_equals_two_ranks_and_loss_is_the_global_token_mean(dist_runs):
     lm = load_policy(model)
     ids = batch.pad([r["ids"] for r in rows], tok.pad_token_id)
     attn = batch.pad([torch.ones(len(r["ids"]), dtype=torch.long) for r in rows])
-    lp, _ = token_logprobs(lm, ids, attn, ids[:, 1:])
+    lp, _ = token_logprobs(lm, ids, ids[:, 1:], attention_mask=attn)
     loss, _ = ppo_policy_loss(lp, lp.detach(), adv.float(), mask.float())
     (loss / mask.sum()).backward()
     for name, p in lm.named_parameters():
