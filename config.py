@@ -112,7 +112,8 @@ class Config:
     ppo_epochs: int = 1
     """Passes over the batch per policy update. Paper: 1 (one policy update per step)."""
     micro_batch_tokens: int = 16384
-    """Padded tokens per forward/backward (packing budget; memory knob, not a math knob)."""
+    """Tokens per forward/backward: windows packed into one row, without padding, up to this many
+    (a longer window runs alone). A memory knob, not a math knob."""
     # --- algorithm (SPEC §3–§4) --------------------------------------------------------------
     estimator: Literal["P", "E", "N", "G"] = "P"
     """P cross-trajectory GAE (paper), E concatenated GAE, N naive per-segment, G group-relative."""
