@@ -315,7 +315,7 @@ def resident_bytes(peak=False):
 
 
 def tokens_per_micro_batch(micro_batch_tokens, longest_window):
-    """T: the padded tokens of the largest micro-batch batch.pack_micro_batches can make: rows up
+    """T: the tokens of the largest micro-batch batch.pack_micro_batches can make: rows up
     to the budget, or one window longer than it on its own."""
     return max(micro_batch_tokens, longest_window)
 

@@ -143,8 +143,9 @@ def episode_from_record(rec):
 
 def dump_step(out_dir, step, episodes, rows, decode, gamma):
     """train.py, rank 0, at a dump step: out_dir/episodes_step<step>.jsonl with the records of
-    `episodes` (the ones of samples_step<step>.txt), their windows' data from `rows` (this rank's
-    batch, after advantages), then report.html rebuilt."""
+    `episodes` (the ones of samples_step<step>.txt), their windows' data from `rows` (theirs in the
+    batch, after advantages, from whichever rank trained on them: train.rows_of), then report.html
+    rebuilt."""
     by_episode = {}
     for r in rows:
         by_episode.setdefault(r["rollout_id"], {})[r["segment_index"]] = r
