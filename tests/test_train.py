@@ -173,6 +173,21 @@ def test_one_rank_equals_two_ranks_and_loss_is_the_global_token_mean(dist_runs):
                                        msg=f"{n} ranks: {name}")
 
 
+def test_adam_is_fused_where_torch_has_it_and_steps_like_the_for_each_one():
+    torch.manual_seed(0)
+    params = [torch.randn(5, 3, requires_grad=True), torch.randn(3, requires_grad=True)]
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    fused, plain = train.adam(params, 1e-2), torch.optim.Adam(twins, lr=1e-2, foreach=False)
+    assert fused.defaults["fused"]
+    for _ in range(3):
+        for ps, opt in ((params, fused), (twins, plain)):
+            opt.zero_grad()
+            sum((p ** 2).sum() for p in ps).backward()
+            opt.step()
+    for p, q in zip(params, twins):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
 def test_resume_is_exact(tmp_path):
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     # stopping is simulated by a shorter --steps, so the lr must not depend on --steps here
