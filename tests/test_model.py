@@ -123,6 +123,20 @@ def test_log_prob_head_gradients_equal_plain_autograd(save_softmax, entropy):
                                     (h[:5].detach().requires_grad_(), w, b))
 
 
+@pytest.mark.parametrize("save_softmax", [False, True])
+def test_log_prob_head_keeps_a_full_log_softmax_only_when_asked(save_softmax):
+    """What the head saves for backward: h, the weight and the targets when it recomputes its
+    chunks (memory O(chunk · V) in backward too); and one (N, V) float32 log-softmax beside them
+    when it saves it."""
+    N, H, V = 64, 8, 500
+    h, w = torch.randn(N, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        lp, _ = LogProbHead.apply(h, w, None, torch.randint(0, V, (N,)), 1.0, 16, "metric", save_softmax)
+    assert sorted(shapes) == sorted([(N, H), (V, H), (N,)] + [(N, V)] * save_softmax)
+    lp.sum().backward()
+
+
 def qwen3_like(tmp_path):
     """A small model of the Qwen3-8B config's family: grouped-query attention (4 query heads per
     key-value head), an untied head, RMS-normed q and k."""
