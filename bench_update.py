@@ -1,8 +1,9 @@
 """The trainer's policy update and scoring pass against a raw baseline on the same rows: how close
 to a plain forward and backward the update runs, and how much padding it computes.
 
-    OMP_NUM_THREADS=1 python bench_update.py            # short: a few minutes on one thread
-    OMP_NUM_THREADS=1 python bench_update.py --full     # the README's table: all the windows named below
+    OMP_NUM_THREADS=1 python bench_update.py                  # short: a few minutes on one thread
+    OMP_NUM_THREADS=1 python bench_update.py --full           # every set at its full size
+    OMP_NUM_THREADS=1 python bench_update.py --full --sets long --repeats 1 --no-warmup   # one set
 
 For each set of rows (windows), on one process (a world of one, FSDP2 as train.py runs it):
 * update: `train.optimize` with `train.policy_loss_fn` over the set's mini-batches
@@ -12,8 +13,9 @@ For each set of rows (windows), on one process (a world of one, FSDP2 as train.p
 * raw: the same tokens, packed without padding into rows of at most `micro_batch_tokens`, through
   an unwrapped model — forward, log_softmax(logits).gather over the whole vocabulary, and for the
   update a loss, backward and an Adam step; for scoring the log-probs and the critic's values.
-The repeats interleave update, raw update, scoring and raw scoring; a ratio is the median over
-repeats of raw time ÷ project time on the same tokens (tokens/s of the project ÷ tokens/s raw).
+The repeats interleave update, raw update, scoring and raw scoring, after one untimed round
+(first calls allocate); a ratio is the median over repeats of raw time ÷ project time on the same
+tokens (tokens/s of the project ÷ tokens/s raw).
 Padding: the slots the project's micro-batches compute beyond the windows' tokens, ÷ those tokens.
 
 Row sets: one memory-task RL step's rows (the default Config's 128 rollouts; the actions come from
@@ -21,7 +23,7 @@ memory_task.WarmupDemoEngine, which writes them as the policy does after its war
 model to sample) on the default tiny model; 384 windows of 20–200 random tokens, half of them
 trainable, on the tiny model and on a model of hidden 256, 4 layers and a 32768-token vocabulary;
 64 windows of 1–2k tokens, all trainable, on the larger model. Without --full the last two sets
-are cut to 96 and 8 windows.
+are cut to 48 and 4 windows.
 """
 import argparse
 import os
@@ -129,6 +131,8 @@ def raw_score(lm, backbone, value_head, rows, budget):
         value_head(backbone(input_ids=ids, position_ids=pos).last_hidden_state[:, :-1])
 
 
+SETS = ("memory", "mixed", "mixed-larger", "long")
+
 # --- the comparison --------------------------------------------------------------------------------
 
 def padding(rows, cfg, device):
@@ -139,7 +143,7 @@ def padding(rows, cfg, device):
     return (slots - real) / real
 
 
-def compare(name, rows, model_dir, cfg, device, repeats):
+def compare(name, rows, model_dir, cfg, device, repeats, warmup=True):
     setup = train.memory_setup(cfg, 1, False)
     _, setup, _ = train.check_memory(cfg, model_dir, setup)
     actor, critic = train.make_models(cfg, model_dir, device, save_softmax=setup.save_head)
@@ -159,7 +163,7 @@ def compare(name, rows, model_dir, cfg, device, repeats):
 
     runs = {"update": update, "raw update": lambda: raw_update(lm, raw_opt, rows, minibatches, cfg.micro_batch_tokens),
             "score": score, "raw score": lambda: raw_score(lm, backbone, value_head, rows, cfg.micro_batch_tokens)}
-    for fn in runs.values():  # warm up: first calls allocate and pick kernels
+    for fn in runs.values() if warmup else ():  # first calls allocate and pick kernels
         fn()
     times = {k: [] for k in runs}
     for _ in range(repeats):
@@ -177,7 +181,9 @@ def compare(name, rows, model_dir, cfg, device, repeats):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--full", action="store_true", help="every set at its full size (the README's run)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per set, after one untimed")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per set")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed first round")
+    p.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS), help="which row sets to run")
     args = p.parse_args()
     repeats = args.repeats
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -190,19 +196,21 @@ def main():
         tiny = build_tiny_model(os.path.join(tmp, "tiny"), **train.tiny_model_args(cfg))
         larger = larger_model(os.path.join(tmp, "larger"))
         mixed = random_rows(384, 20, 200, 667, 0.5, seed=1)
-        few = [dict(r) for r in mixed[:None if args.full else 96]]
-        long = 64 if args.full else 8
-        sets = [("one memory-task RL step, tiny model", memory_rows(cfg, tiny), tiny),
-                ("384 windows of 20–200 tokens, tiny model", mixed, tiny),
-                (f"{len(few)} of those windows, hidden 256 / 4 layers / 32k vocab", few, larger),
-                (f"{long} windows of 1–2k tokens, all trainable, hidden 256 / 32k vocab",
-                 random_rows(long, 1000, 2000, 32768, 1.0, seed=2), larger)]
-        for name, rows, model_dir in sets:
-            results.append(compare(name, rows, model_dir, cfg, device, repeats))
+        few = [dict(r) for r in mixed[:None if args.full else 48]]
+        long = 64 if args.full else 4
+        sets = {"memory": ("one memory-task RL step, tiny model", lambda: memory_rows(cfg, tiny), tiny),
+                "mixed": ("384 windows of 20–200 tokens, tiny model", lambda: mixed, tiny),
+                "mixed-larger": (f"{len(few)} of those windows, hidden 256 / 4 layers / 32k vocab", lambda: few, larger),
+                "long": (f"{long} windows of 1–2k tokens, all trainable, hidden 256 / 32k vocab",
+                         lambda: random_rows(long, 1000, 2000, 32768, 1.0, seed=2), larger)}
+        for key in args.sets:
+            name, rows, model_dir = sets[key]
+            results.append(compare(name, rows(), model_dir, cfg, device, repeats, not args.no_warmup))
             r = results[-1]
             print(f"{name}: update ÷ raw {r['update']:.2f}, scoring ÷ raw {r['score']:.2f}, "
                   f"padding {r['padding']:.2f}", flush=True)
-    print(f"\n{repeats} interleaved repeats, one process, {torch.get_num_threads()} thread(s), "
+    print(f"\n{repeats} interleaved repeats{'' if args.no_warmup else ' after an untimed one'}, one process, "
+          f"{torch.get_num_threads()} thread(s), "
           f"micro_batch_tokens {cfg.micro_batch_tokens}, {cfg.mini_batches} mini-batches\n")
     print("| rows and model | windows | tokens | update ÷ raw, tokens/s (median) | scoring ÷ raw | "
           "padding ÷ real tokens | update tokens/s |")
