@@ -1,5 +1,5 @@
-"""The model layer: policy and critic, the embedded tiny default, chunked log-probs, and
-token-in/token-out chat rendering.
+"""The model layer: policy and critic, the embedded tiny default, attention over packed rows,
+chunked log-probs, and token-in/token-out chat rendering.
 
 Shape legend: B = sequences, L = tokens per sequence, T = L − 1 target positions, V = vocab,
 H = hidden size. Every per-token output is aligned with the targets input_ids[:, 1:]: position t
@@ -202,9 +202,8 @@ class Critic(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, position_ids=None, attention_mask=None):
-        h = self.backbone(input_ids=input_ids, position_ids=position_ids,
-                          attention_mask=attention_mask).last_hidden_state
+    def forward(self, input_ids, position_ids=None):
+        h = self.backbone(input_ids=input_ids, position_ids=position_ids).last_hidden_state
         # clone: FSDP2 must not hand out a view of its output (an in-place op would skip its hooks)
         return self.value_head(h[:, :-1]).squeeze(-1).float().clone()  # (B, T): V before each target
 
