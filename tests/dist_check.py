@@ -133,8 +133,10 @@ def main(out_path, model_dir):
     for r in rows:
         r["group_id"] = r["rollout_id"]
     rows = batch.assign_groups(rows)
-    assigned = gather_to_rank0({r["rollout_id"]: sum(len(s["ids"]) for s in rows if s["rollout_id"] == r["rollout_id"])
-                                for r in rows})
+    tokens = {}  # {rollout: tokens} of this rank's rows
+    for r in rows:
+        tokens[r["rollout_id"]] = tokens.get(r["rollout_id"], 0) + len(r["ids"])
+    assigned = gather_to_rank0(tokens)
     train.score(actor, critic, rows, cfg, device)
     train.advantages(rows, cfg, [r["rollout_id"] for r in rows])
     idx = list(range(len(rows)))
