@@ -29,7 +29,7 @@ class ScriptedEngine:
     def __init__(self, tok, reply):
         self.tok, self.reply, self.calls = tok, reply, []
 
-    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids):
+    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids, seeds=None):
         out = []
         for p, n in zip(prompts, max_new_tokens):
             ids = (self.tok.encode(self.reply(self.tok.decode(p)), add_special_tokens=False)
