@@ -115,11 +115,26 @@ class VLLMEngine(Engine):
         self.dtype = getattr(torch, dtype)
         self.asleep = set()  # what sleep() released and wake_up() has not restored: weights, kv_cache
         self.broken = None  # the error of a failed weight push; the weights are then undefined
+        self.counter = itertools.count()
 
-    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids):
-        """prompts: token-id lists; max_new_tokens: one int per prompt. -> [Generation], in order."""
+    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids, seeds=None):
+        """prompts: token-id lists; max_new_tokens: one int per prompt. -> [Generation], in order.
+        seeds are ignored (see the module docstring)."""
+        if len(max_new_tokens) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens")
+        keys = [f"generate-{next(self.counter)}" for _ in prompts]
+        for key, p, n in zip(keys, prompts, max_new_tokens):
+            self.submit(key, p, n, temperature, stop_token_ids)
+        done = {}
+        while len(done) < len(keys):
+            done.update(self.step())
+        return [done[k] for k in keys]
+
+    def submit(self, key, prompt, max_new_tokens, temperature, stop_token_ids, seed=None):
+        """Add one request (id `key`) to the running batch; `step` returns it when it finishes."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         if self.broken:
             raise RuntimeError("VLLMEngine: a weight push failed and left the weights half-loaded; "
@@ -129,30 +144,38 @@ class VLLMEngine(Engine):
         if temperature < 0.01:  # vLLM would silently sample at max(T, 0.01); the trainer divides by T
             raise ValueError(f"VLLMEngine samples at temperatures >= 0.01 (vLLM raises smaller ones "
                              f"to 0.01, which the trainer would not know); got {temperature}")
-        if len(max_new_tokens) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens")
-        if not prompts:
-            return []
-        params = [SamplingParams(
+        params = SamplingParams(
             temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,  # pure softmax(logits / T)
-            max_tokens=n, logprobs=0,  # logprobs=0: the sampled token's log-prob only
+            max_tokens=max_new_tokens, logprobs=0,  # logprobs=0: the sampled token's log-prob only
             # no seed: sample from the default generator, which the trainer seeds and checkpoints
             stop_token_ids=list(stop_token_ids),
             # Stop on exactly `stop_token_ids`, like HFEngine: not also on the model's own eos ids
             # from generation_config (e.g. Qwen's <|endoftext|>), which the chat codec does not treat
             # as the end of a turn.
             ignore_eos=True,
-            detokenize=False)  # the agent loop decodes what it needs itself
-            for n in max_new_tokens]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                 use_tqdm=False)
-        gens = []
-        for o in outs:  # LLM.generate returns outputs in the order of the prompts
-            c = o.outputs[0]
-            ids = list(c.token_ids)  # includes the stop token when one was sampled
-            lps = [step[t].logprob for t, step in zip(ids, c.logprobs)]  # step: {token id: Logprob}
-            gens.append(Generation(ids, lps, "stop" if c.finish_reason == "stop" else "length"))
-        return gens
+            detokenize=False,  # the agent loop decodes what it needs itself
+            output_kind=RequestOutputKind.FINAL_ONLY)  # one output per request, when it finishes
+        self.llm.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=list(prompt)), params)
+
+    def step(self):
+        """One engine step over every submitted request. -> [(key, Generation)] of those that finished."""
+        done = []
+        for o in self.llm.llm_engine.step():
+            if o.finished:
+                c = o.outputs[0]
+                ids = list(c.token_ids)  # includes the stop token when one was sampled
+                lps = [step[t].logprob for t, step in zip(ids, c.logprobs)]  # step: {token id: Logprob}
+                done.append((o.request_id, Generation(ids, lps, "stop" if c.finish_reason == "stop" else "length")))
+        return done
+
+    def abort(self, keys):
+        """Drop submitted requests that are no longer wanted (an episode stopped by its time limit)."""
+        self.llm.llm_engine.abort_request(list(keys))
+
+    def capacity(self, window_tokens):
+        """Windows of `window_tokens` that fit in the KV cache at once (vLLM's block count)."""
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        return cache.num_gpu_blocks * cache.block_size // window_tokens
 
     def load_weights(self, named_tensors):
         """Copy (name, tensor) pairs with Hugging Face names into the running engine, in place.
