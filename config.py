@@ -45,8 +45,12 @@ class Config:
     eval_timeout: float = 1800.0
     """Seconds the reward's tests may run: the official harness's --timeout default. Paper: not stated."""
     env_workers: int = 8
-    """Threads per rank that start, step, grade and remove sandboxes: containers of different
-    episodes start and go concurrently."""
+    """Threads per rank that start, step, grade and remove sandboxes, while the engine generates for
+    the other episodes: each episode runs on its own (rollout.run_episodes), so a slow command
+    holds up only its own episode, and a finished episode is graded at once."""
+    episode_seconds: float = 0.0
+    """Wall-clock limit of one episode, seconds; 0 = none. An episode past it ends as `timeout`
+    (reward 0, still trained unless --mask-truncated). Paper: not stated."""
     pull_images: bool = False
     """--sandbox docker: pull the task images that are not present before training starts. Off: a
     missing image stops the run at start, named."""
@@ -296,8 +300,8 @@ def finalize(cfg, world):
         "the warm-up exists for the memory task only: --task swe needs --warmup-steps 0 (as --preset swe sets)"
     assert cfg.model or cfg.preset != "swe-paper", \
         "--preset swe-paper trains a real policy: give --model (a Hugging Face id or local checkpoint)"
-    assert cfg.env_workers >= 1 and cfg.command_timeout > 0 and cfg.eval_timeout > 0, \
-        "env_workers, command_timeout and eval_timeout must be positive"
+    assert cfg.env_workers >= 1 and cfg.command_timeout > 0 and cfg.eval_timeout > 0 and cfg.episode_seconds >= 0, \
+        "env_workers, command_timeout and eval_timeout must be positive, episode_seconds >= 0"
     assert not (cfg.resume and cfg.overwrite), "--resume continues the run in out_dir, --overwrite replaces it"
     assert cfg.steps == 0 or cfg.steps > cfg.value_pretrain_steps, \
         (f"--steps {cfg.steps} with --value-pretrain-steps {cfg.value_pretrain_steps}: steps 0 to "

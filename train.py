@@ -123,7 +123,7 @@ def rollout_config(cfg):
                          max_summary_tokens=cfg.max_summary_tokens, keep_last=cfg.keep_last,
                          max_observation_tokens=cfg.max_observation_tokens,
                          repeat_task=cfg.repeat_task, temperature=cfg.temperature,
-                         env_workers=cfg.env_workers)
+                         env_workers=cfg.env_workers, max_seconds=cfg.episode_seconds)
 
 
 def prepare_run(cfg, rank, world, device):
@@ -462,7 +462,7 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
         fsdp.release_cached_memory()  # the engine's KV cache wakes into what training cached
         engine.wake_up()
         episodes = run_episodes(engine, codec, envs, rollout_config(cfg), rids, task_ids, gids,
-                                summary_engine=frozen)
+                                summary_engine=frozen, progress=rank == 0)
         engine.sleep()
     kept = trainable_episodes(episodes, cfg.keep_env_errors, cfg.mask_truncated)
     rows = to_rows([s for e in kept for s in e.segments], cfg.summaries)
