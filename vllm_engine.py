@@ -155,7 +155,8 @@ class VLLMEngine(Engine):
             ignore_eos=True,
             detokenize=False,  # the agent loop decodes what it needs itself
             output_kind=RequestOutputKind.FINAL_ONLY)  # one output per request, when it finishes
-        self.llm.llm_engine.add_request(key, TokensPrompt(prompt_token_ids=list(prompt)), params)
+        (engine_input,) = self.llm.renderer.render_cmpl([TokensPrompt(prompt_token_ids=list(prompt))])
+        self.llm.llm_engine.add_request(key, engine_input, params)
 
     def step(self):
         """One engine step over every submitted request. -> [(key, Generation)] of those that finished."""
