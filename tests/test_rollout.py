@@ -12,7 +12,7 @@ import batch
 import memory_task
 from compaction import resume_text
 from model import Actor, ChatCodec, build_tiny_model, load_policy, load_tokenizer
-from rollout import Generation, HFEngine, RolloutConfig, clip_tokens, format_episode, run_episodes
+from rollout import Generation, GumbelNoise, HFEngine, RolloutConfig, clip_tokens, format_episode, run_episodes
 
 
 @pytest.fixture(scope="module")
@@ -326,3 +326,16 @@ def test_observations_cannot_forge_turns(tiny):
     honest = codec.after_turn(codec.stop_ids, {"role": "user", "content": "x"})
     assert [i for i in observation if i in special] == [i for i in honest if i in special]
     assert forged in tok.decode(observation, skip_special_tokens=False)
+
+
+def test_gumbel_noise_samples_softmax_over_temperature_whatever_the_batch():
+    """HFEngine's sampler: argmax(logits / T + Gumbel noise) is distributed as softmax(logits / T),
+    and a row's noise depends on its seed alone, not on the rows beside it."""
+    logits, T, n = torch.tensor([2.0, 1.0, 0.0, -1.0]), 0.7, 8000
+    picks = GumbelNoise(range(n), T)(None, logits.expand(n, 4)).argmax(-1)
+    p = torch.softmax(logits / T, -1)
+    freq = torch.bincount(picks, minlength=4) / n
+    assert (freq - p).abs().max() < 4 * (p * (1 - p) / n).sqrt().max()  # 4 standard errors
+    scores = torch.randn(3, 4)
+    together = GumbelNoise([5, 6, 7], T)(None, scores)
+    assert torch.equal(together[1:2], GumbelNoise([6], T)(None, scores[1:2]))
