@@ -274,22 +274,23 @@ def run_episodes(engine, codec, envs, cfg, rollout_ids, task_ids, group_ids=None
     run at once as the engines' KV caches hold windows (Engine.capacity), so the prefix cache keeps
     every live episode's window. summary_engine: another engine writes the summaries (the "frozen
     summarizer" ablation); its tokens are then not the policy's samples and are not trained (mask 0).
-    lockstep: the baseline of bench_rollout.py, no more: every engine call waits until all live
+    lockstep: the baseline of bench_async.py, no more: every engine call waits until all live
     episodes have a request in, like a loop that advances them one turn at a time.
     progress: a bar on a terminal, else a line every 30 s (scheduler.Progress)."""
     group_ids = group_ids if group_ids is not None else rollout_ids
     states = [_Live(Episode(*a), env) for a, env in zip(zip(rollout_ids, task_ids, group_ids), envs)]
     window = (cfg.context_budget + cfg.max_observation_tokens + cfg.max_summary_tokens
               + len(codec.message({"role": "user", "content": cfg.summary_instruction})) + len(codec.gen_prompt))
-    live = min([len(envs)] + [c for e in {engine, summary_engine} - {None}
-                              if (c := getattr(e, "capacity", lambda n: None)(window)) is not None])
-    if live < 1:
+    engines = list(dict.fromkeys(e for e in (engine, summary_engine) if e is not None))
+    capacities = [c for e in engines if hasattr(e, "capacity") and (c := e.capacity(window)) is not None]
+    if any(c < 1 for c in capacities):
         raise ValueError(f"the engine's KV cache cannot hold one window of {window} tokens")
+    live = min([max(1, len(envs))] + capacities)
     base_seed = int(torch.randint(0, 2**62, ()))
     pool = cf.ThreadPoolExecutor(max_workers=max(1, cfg.env_workers))
     try:
-        asyncio.run(_run_all(engine, summary_engine or engine, summary_engine is None, codec, states, cfg,
-                             pool, live, base_seed, lockstep, progress))
+        asyncio.run(_run_all(engines, summary_engine is None, codec, states, cfg, pool, live, base_seed,
+                             lockstep, progress))
     finally:
         pool.shutdown(wait=False, cancel_futures=True)  # a command that hangs must not hang the caller
         left = [s for s in states if not s.closed]  # interrupted (Ctrl-C) or failed: close the rest
@@ -299,11 +300,12 @@ def run_episodes(engine, codec, envs, cfg, rollout_ids, task_ids, group_ids=None
     return sorted([s.ep for s in states], key=lambda e: e.rollout_id)
 
 
-async def _run_all(engine, summarizer, train_summaries, codec, states, cfg, pool, live, base_seed,
-                   lockstep, progress):
-    """The episodes as tasks, and the scheduler serving their requests until all have ended."""
+async def _run_all(engines, train_summaries, codec, states, cfg, pool, live, base_seed, lockstep, progress):
+    """The episodes as tasks, and the scheduler serving their requests until all have ended.
+    engines: the policy's, then the summaries' if it is another."""
     loop = asyncio.get_running_loop()
-    sched = Scheduler({engine, summarizer}, cfg.temperature, codec.stop_ids, lockstep)
+    engine, summarizer = engines[0], engines[-1]
+    sched = Scheduler(engines, cfg.temperature, codec.stop_ids, lockstep)
     bar = Progress(len(states), sched, progress)
     slots = asyncio.Semaphore(live)
 
