@@ -205,6 +205,15 @@ def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
     return (out * mask).to(x.dtype)
 
 
+def whiten_segments(advantages, masks):
+    """`masked_whiten` over a rank's segments, given as lists of (T_i,) advantages and masks, with
+    the statistics of every rank's trainable tokens. A collective: every rank calls it, also one
+    whose segments all left the batch (else the others would wait for it forever)."""
+    x = torch.cat(advantages) if advantages else torch.zeros(0, dtype=torch.float64)
+    m = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.float64)
+    return list(masked_whiten(x, m).split([len(a) for a in advantages]))
+
+
 # --- input checks: bad input fails loudly, naming the problem ---------------------------------
 
 def _check_gae_inputs(values, mask, rewards, gamma, lam):
