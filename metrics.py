@@ -208,3 +208,10 @@ def reduce_sums(per_minibatch):
             (dist.ReduceOp.MIN, math.inf) if k.endswith("_min") else (dist.ReduceOp.SUM, 0.0)
         out[k] = float(fsdp.all_reduce(acc.get(k, empty), op))
     return out
+
+
+def step_line(step, steps, m):
+    """One plain line per step for a log file, where no progress bar is drawn."""
+    return (f"step {step + 1}/{steps} · reward {m['rollout/reward']:.3f} · success|compaction "
+            f"{m['rollout/success_given_compaction']:.3f} · compactions {m['rollout/compactions']:.2f} · "
+            f"{m['time/step']:.1f} s/step · {m['time/tokens_per_s']:.0f} tokens/s")
