@@ -238,7 +238,8 @@ def run_episodes(engine, codec, envs, cfg, rollout_ids, task_ids, group_ids=None
         while live:
             live, ended = _check_limits(live, cfg)
             done += ended
-            to_compact = [s for s in live if s.steps and should_compact(s.used, cfg.context_budget, cfg.reserve)]
+            to_compact = [s for s in live if s.steps and should_compact(s.used, cfg.context_budget, cfg.reserve)
+                          and can_compact(s.ep.compactions, cfg.max_compactions)]
             if to_compact:
                 _compact(summary_engine or engine, codec, to_compact, cfg, summary_engine is None)
                 live, ended = _split(live, lambda s: s.ep.end_reason == "")
@@ -290,11 +291,14 @@ def _check_limits(live, cfg):
             _end(s, "format_errors")
         elif cfg.max_seconds and time.time() - s.start > cfg.max_seconds:
             _end(s, "timeout")
-        elif should_compact(s.used, cfg.context_budget, cfg.reserve):
-            if not s.steps:
-                _end(s, "context_overflow")  # nothing to summarize: the prompt alone is too long
-            elif not can_compact(s.ep.compactions, cfg.max_compactions):
-                _end(s, "budget_exhausted")  # SPEC §1: reward 0, still trained
+        elif not can_compact(s.ep.compactions, cfg.max_compactions):
+            # K spent: no summary is left to write, so the reserve T_comp that keeps room for one
+            # is the window's too; it runs on until its whole budget C is used (each action capped
+            # by the room left). Reward 0, still trained.
+            if s.used >= cfg.context_budget:
+                _end(s, "budget_exhausted")
+        elif should_compact(s.used, cfg.context_budget, cfg.reserve) and not s.steps:
+            _end(s, "context_overflow")  # nothing to summarize: the prompt alone is too long
     return _split(live, lambda s: s.ep.end_reason == "")
 
 
