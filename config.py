@@ -68,7 +68,7 @@ class Config:
     environment returns, as an agent's do, so a long-context check needs few sampled tokens."""
     memory_max_key_at: int = 2
     """Memory task: at most this many distractors come before the key in RL episodes."""
-    # --- rollout with compaction (SPEC §1) --------------------------------------------------
+    # --- rollout with compaction (docs/method.md, 'Rollouts with compaction') ---------------
     context_budget: int = 72
     """C, tokens of one context window. Paper: 65536 (30B) / 81920 (106B). The memory task's 6
     distractors then need one compaction, after the 7th step."""
@@ -91,7 +91,7 @@ class Config:
     keep_last: int = 2
     """k, recent atomic steps kept verbatim after compaction (eq. 9). Paper: 2."""
     repeat_task: bool = True
-    """Repeat the task text in the resume message (the paper does not say; SPEC default)."""
+    """Repeat the task text in the resume message (the paper does not say; default on)."""
     temperature: float = 1.0
     """Sampling temperature; the trainer divides logits by it too. Paper: 1.0."""
     engine: Literal["auto", "hf", "vllm"] = "auto"
@@ -113,11 +113,11 @@ class Config:
     """Passes over the batch per policy update. Paper: 1 (one policy update per step)."""
     micro_batch_tokens: int = 16384
     """Padded tokens per forward/backward (packing budget; memory knob, not a math knob)."""
-    # --- algorithm (SPEC §3–§4) --------------------------------------------------------------
+    # --- algorithm (docs/method.md, 'Advantages' and 'Losses') ------------------------------
     estimator: Literal["P", "E", "N", "G"] = "P"
     """P cross-trajectory GAE (paper), E concatenated GAE, N naive per-segment, G group-relative."""
     gamma: float = 1.0
-    """γ. Not stated in the paper; SPEC default 1."""
+    """γ. Not stated in the paper; default 1."""
     lam_mode: Literal["rollout", "segment", "fixed"] = "rollout"
     """λ = 1 − 1/(α·l) with l = rollout trainable length (default) or segment length; or `lam`."""
     lam: float = 0.95
@@ -125,15 +125,15 @@ class Config:
     lam_alpha: float = 1.5
     """α of the adaptive λ. Paper: 1.5."""
     critic_target: Literal["local", "mc"] = "local"
-    """local: G = A_loc + V (SPEC default); mc: G = R on every token."""
+    """local: G = A_loc + V (default; docs/method.md, 'The critic target'); mc: G = R on every token."""
     normalizer: Literal["token", "segment", "rollout"] = "token"
     """Loss normalization: token = global trainable-token mean (paper eq. 12)."""
     whiten_advantages: bool = False
     """Mask-aware, global advantage whitening. Paper: off."""
     clip_low: float = 0.2
-    """ε_low. Not stated in the paper; SPEC default 0.2."""
+    """ε_low. Not stated in the paper; default 0.2."""
     clip_high: float = 0.28
-    """ε_high. SPEC default 0.28."""
+    """ε_high. Not stated in the paper; default 0.28."""
     dual_clip: float = 0.0
     """Dual-clip constant c for Â < 0; 0 = off."""
     value_clip: float = 0.2
