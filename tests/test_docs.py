@@ -10,7 +10,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHOD = os.path.join(ROOT, "docs", "method.md")
 # Written split, so that this file does not cite them itself.
-OUTSIDE = re.compile(r"\b" + "SPEC" + r"\b|(?<![\w/.-])" + "notes" + "/")
+OUTSIDE = re.compile(r"\b" + "SP" + "EC" + r"\b|(?<![\w/.-])" + "notes" + "/")
 LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
 
 
@@ -36,7 +36,7 @@ def test_no_citation_points_outside_the_repository():
 
 
 def test_the_citation_pattern_catches_what_it_should():
-    assert OUTSIDE.search("as " + "SPEC" + " §3 says") and OUTSIDE.search("(" + "notes" + "/toy-memory-task)")
+    assert OUTSIDE.search("as " + "SP" + "EC" + " §3 says") and OUTSIDE.search("(" + "notes" + "/toy-memory-task)")
     assert not OUTSIDE.search("SPECIAL_TOKENS = [...]") and not OUTSIDE.search("release_notes/x")
 
 
