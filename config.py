@@ -68,7 +68,7 @@ class Config:
     environment returns, as an agent's do, so a long-context check needs few sampled tokens."""
     memory_max_key_at: int = 2
     """Memory task: at most this many distractors come before the key in RL episodes."""
-    # --- rollout with compaction (SPEC §1) --------------------------------------------------
+    # --- rollout with compaction (docs/method.md, 'Rollouts with compaction') ---------------
     context_budget: int = 72
     """C, tokens of one context window. Paper: 65536 (30B) / 81920 (106B). The memory task's 6
     distractors then need one compaction, after the 7th step."""
@@ -121,7 +121,7 @@ class Config:
     micro_batch_tokens: int = 16384
     """Padded tokens per forward/backward (packing budget): a memory knob, not a math knob (the
     loss is the same whatever it is), so no paper value."""
-    # --- algorithm (SPEC §3–§4) --------------------------------------------------------------
+    # --- algorithm (docs/method.md, 'Advantages' and 'Losses') ------------------------------
     estimator: Literal["P", "E", "N", "G"] = "P"
     """P cross-trajectory GAE (paper), E concatenated GAE, N naive per-segment, G group-relative."""
     gamma: float = 1.0

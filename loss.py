@@ -1,4 +1,4 @@
-"""PPO losses with token-level normalization — SPEC §4, paper eq. (12).
+"""PPO losses with token-level normalization — docs/method.md, 'Losses'; paper eq. (12).
 
 Shape legend: B = segments in a micro-batch, T = token positions (aligned with the targets).
 Every loss here returns a *sum* over tokens, never a mean: the caller divides by one global

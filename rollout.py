@@ -1,4 +1,5 @@
-"""Agent rollouts with context compaction — SPEC §1, §2, §6.
+"""Agent rollouts with context compaction — docs/method.md, 'Rollouts with compaction' and
+'Windows are the samples'.
 
 The loop is batched across episodes: every live episode produces its next turn in ONE engine
 call. Each turn: check the compaction trigger (eq. 7); for episodes that must compact, append the
@@ -142,7 +143,7 @@ def make_engine(kind, model_path, pad_token_id, device, seed=0, max_model_len=No
 
 @dataclass
 class Segment:
-    """One context window of a rollout: a training sample (SPEC §2)."""
+    """One context window of a rollout: a training sample (docs/method.md, 'Windows are the samples')."""
     prompt_ids: list
     response_ids: list = field(default_factory=list)
     loss_mask: list = field(default_factory=list)  # 1 on sampled tokens
@@ -386,7 +387,8 @@ def _env_step(s, text):
 
 
 def _score(s):
-    """The outcome reward: graded only when the agent submitted (SPEC §1: a rollout that ran out
+    """The outcome reward: graded only when the agent submitted (docs/method.md, 'How a rollout
+    ends': a rollout that ran out
     of budget, turns or format gets 0 and is still trained). The environment is closed either way;
     a grading failure is logged and scores 0, with end_reason "env_error"; a failure to close is
     logged and changes nothing (the episode and its reward are complete)."""

@@ -1,5 +1,5 @@
 """CompactionRL trainer: PPO with a critic, context compaction, cross-trajectory GAE and the
-token-level normalized loss (SPEC §4–§6).
+token-level normalized loss (docs/method.md).
 
     python train.py                                   # CPU: tiny embedded model, memory task
     torchrun --nproc_per_node=2 train.py              # the same on 2 CPU processes (gloo)
@@ -281,7 +281,8 @@ def score(actor, critic, rows, cfg, pad_id, device, ref=None):
 # --- (3) advantages and returns -----------------------------------------------------------------
 
 def advantages(rows, cfg, group_ids):
-    """Â and the critic target G for every row (SPEC §3); all segments of a rollout are local.
+    """Â and the critic target G for every row (docs/method.md, 'Advantages'); all segments of a
+    rollout are local.
     Writes rows[i]["advantages"], ["returns"], and the row's λ and N_after ["lambda"], ["n_after"]
     (report.py dumps them). Returns sums for the log: Σ λ over trainable tokens, and Σ (γλ)^N_after
     and the token count over windows that have a later one (eq. 14's factor, whichever estimator
@@ -326,7 +327,8 @@ def optimize(module, optimizer, rows, idx, loss_fn, cfg, pad_id, device, keys):
 
     The denominator (Z for the token normalizer) is all-reduced ONCE; each micro-batch adds
     loss_sum / denom · world_size (the ×world_size undoes FSDP's gradient averaging), so the
-    result is independent of how the mini-batch is split (SPEC §4, tests/test_loss.py).
+    result is independent of how the mini-batch is split (docs/method.md, 'Token-level
+    normalization'; tests/test_loss.py).
     A non-finite loss or gradient skips the step on every rank. Returns (metric sums over this
     rank's tokens, {"loss", "grad_norm"} of the step — global values, the same on every rank —,
     1 if the step was skipped else 0).

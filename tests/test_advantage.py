@@ -137,7 +137,7 @@ def test_per_row_lambda_from_rollout_length(seed):
     torch.testing.assert_close(adv_e, ref_concatenated(values, mask, rewards, rid, seg, 1.0, lam))
 
 
-# --- SPEC §3 identities -------------------------------------------------------------------------
+# --- identities of docs/method.md, 'Cross-trajectory GAE' ---------------------------------------
 
 @pytest.mark.parametrize("seed", range(10))
 def test_gamma_lambda_one_gives_R_minus_V(seed):
