@@ -122,7 +122,7 @@ class WarmupDemoEngine:
     happens to equal the key). Why copy a line rather than write a random symbol: the earlier
     random-symbol warm-up trained "after `key` in a summary comes an unrelated symbol", against
     the copy the answer skill uses; RL then found positional shortcuts (copy the first
-    observation) and stalled near 0.5 (README, "What the default run learns").
+    observation) and stalled near 0.5 (docs/results.md, "how the default recipe was found").
     """
 
     def __init__(self, codec, n_keys, seed):

@@ -1,5 +1,5 @@
-"""Metrics and logging for train.py — every key written to metrics.jsonl is documented in the
-README ("Metrics"). Episode statistics are summed on each rank, all-reduced, then turned into
+"""Metrics and logging for train.py — every key written to metrics.jsonl is documented in
+docs/metrics.md. Episode statistics are summed on each rank, all-reduced, then turned into
 means, so they describe the global batch whatever the number of ranks.
 """
 import json
@@ -22,7 +22,7 @@ ENDINGS = ("submitted", "max_turns", "format_errors", "budget_exhausted", "conte
 
 
 def rollout_metrics(episodes, rows):
-    """Sums over this rank's episodes; all-reduced, then turned into means (README: metrics)."""
+    """Sums over this rank's episodes; all-reduced, then turned into means (docs/metrics.md)."""
     compacted = [e for e in episodes if e.compactions > 0]
     summary_tokens = sum(sum(b - a for k, a, b in s.spans if k == "summary")
                          for e in episodes for s in e.segments)
