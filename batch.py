@@ -1,4 +1,5 @@
-"""Segments -> padded training tensors: one row per segment (a window, SPEC §2), packed into
+"""Segments -> padded training tensors: one row per segment (a window: docs/method.md, 'Windows are
+the samples'), packed into
 micro-batches by a token budget, grouped into mini-batches by rollout.
 
 A row is a dict of 1-D tensors aligned with the targets (T = L − 1: position t predicts token
@@ -39,7 +40,8 @@ def pad(tensors, value=0.0):
 
 def micro_batches(rows, idx, max_tokens, pad_id, device, keys=()):
     """Pack rows[idx] by the token budget; every rank gets the same number of micro-batches
-    (SPEC §4: collectives must line up), the missing ones as fully masked dummies (None)."""
+    (collectives must line up: docs/method.md, 'Token-level normalization'), the missing ones as
+    fully masked dummies (None)."""
     mbs = [[idx[i] for i in mb] for mb in pack_micro_batches([len(rows[i]["ids"]) for i in idx], max_tokens)]
     n = int(fsdp.all_reduce(len(mbs), dist.ReduceOp.MAX))
     for mb in mbs + [None] * (n - len(mbs)):

@@ -14,7 +14,9 @@ Actions before the question are free (the environment ignores them; train.py cap
 token, so every step costs the same 7 tokens). The context budget C is sized (config.py) so the
 episode does not fit in one window: compaction fires after a few noise steps, the resume keeps
 the last k steps (the key is never among them), and the key survives only if the policy's own
-summary carries it. With K = 0 compactions the budget runs out and the reward is 0.
+summary carries it. With K = 0 there is no summary to make room for, so the single window runs on
+past the trigger to its whole budget C: where the question still fits, reading the context is
+enough (as for the K = 0 baseline of a real agent), and where it does not, the reward is 0.
 
 `p_short` mixes in short episodes whose question comes before any compaction (0 to
 max_noise_short distractors); `max_key_at` lets up to that many distractors come before the key.
@@ -120,7 +122,7 @@ class WarmupDemoEngine:
     happens to equal the key). Why copy a line rather than write a random symbol: the earlier
     random-symbol warm-up trained "after `key` in a summary comes an unrelated symbol", against
     the copy the answer skill uses; RL then found positional shortcuts (copy the first
-    observation) and stalled near 0.5 (README, "What the default run learns").
+    observation) and stalled near 0.5 (docs/results.md, "how the default recipe was found").
     """
 
     def __init__(self, codec, n_keys, seed):

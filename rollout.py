@@ -1,4 +1,5 @@
-"""Agent rollouts with context compaction — SPEC §1, §2, §6.
+"""Agent rollouts with context compaction — docs/method.md, 'Rollouts with compaction' and
+'Windows are the samples'.
 
 Every episode is its own sequential program (`_episode`): check the compaction trigger (eq. 7);
 when it fires, append the summary instruction, let the same policy write the summary (eq. 8) and
@@ -182,7 +183,7 @@ def make_engine(kind, model_path, pad_token_id, device, seed=0, max_model_len=No
 
 @dataclass
 class Segment:
-    """One context window of a rollout: a training sample (SPEC §2)."""
+    """One context window of a rollout: a training sample (docs/method.md, 'Windows are the samples')."""
     prompt_ids: list
     response_ids: list = field(default_factory=list)
     loss_mask: list = field(default_factory=list)  # 1 on sampled tokens
@@ -349,7 +350,8 @@ async def _episode(s, sched, engine, summarizer, train_summaries, codec, cfg, ru
 
     async def turns():
         while not (reason := _limit(s, cfg)):
-            if s.steps and should_compact(s.used, cfg.context_budget, cfg.reserve):
+            if s.steps and should_compact(s.used, cfg.context_budget, cfg.reserve) \
+                    and can_compact(s.ep.compactions, cfg.max_compactions):
                 await _compact(s, sched, summarizer, codec, cfg, base_seed, train_summaries)
             else:
                 await _act(s, sched, engine, codec, cfg, run, base_seed)
@@ -382,11 +384,13 @@ def _limit(s, cfg):
         return "max_turns"
     if s.format_errors >= cfg.max_format_errors:
         return "format_errors"
-    if should_compact(s.used, cfg.context_budget, cfg.reserve):
-        if not s.steps:
-            return "context_overflow"  # nothing to summarize: the prompt alone is too long
-        if not can_compact(s.ep.compactions, cfg.max_compactions):
-            return "budget_exhausted"  # SPEC §1: reward 0, still trained
+    if not can_compact(s.ep.compactions, cfg.max_compactions):
+        # K spent: no summary is left to write, so the reserve T_comp that keeps room for one
+        # is the window's too; it runs on until its whole budget C is used (each action capped
+        # by the room left). Reward 0, still trained.
+        return "budget_exhausted" if s.used >= cfg.context_budget else ""
+    if should_compact(s.used, cfg.context_budget, cfg.reserve) and not s.steps:
+        return "context_overflow"  # nothing to summarize: the prompt alone is too long
     return ""
 
 
@@ -472,9 +476,10 @@ def _env_step(s, text):
 
 
 def _score(s):
-    """The outcome reward: graded only when the agent submitted (SPEC §1: a rollout that ran out
-    of budget, turns, format or time gets 0 and is still trained). The environment is closed
-    either way; a grading failure is logged and scores 0, with end_reason "env_error"."""
+    """The outcome reward: graded only when the agent submitted (docs/method.md, 'How a rollout
+    ends': a rollout that ran out of budget, turns, format or time gets 0 and is still trained).
+    The environment is closed either way; a grading failure is logged and scores 0, with end_reason
+    "env_error"."""
     try:
         return float(s.env.reward()) if s.ep.end_reason == "submitted" else 0.0
     except Exception:

