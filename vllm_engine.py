@@ -129,15 +129,20 @@ class VLLMEngine(Engine):
         if len(max_new_tokens) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens")
         keys = [f"generate-{next(self.counter)}" for _ in prompts]
-        for key, p, n in zip(keys, prompts, max_new_tokens):
-            self.submit(key, p, n, temperature, stop_token_ids)
         done = {}
-        while len(done) < len(keys):
-            done.update(self.step())
+        try:
+            for key, p, n in zip(keys, prompts, max_new_tokens):
+                self.submit(key, p, n, temperature, stop_token_ids)
+            while len(done) < len(keys):
+                done.update(self.step())
+        except BaseException:
+            self.abort([k for k in keys if k not in done])  # leave nothing behind in the engine
+            raise
         return [done[k] for k in keys]
 
     def submit(self, key, prompt, max_new_tokens, temperature, stop_token_ids, seed=None):
-        """Add one request (id `key`) to the running batch; `step` returns it when it finishes."""
+        """Add one request (id `key`) to the running batch; `step` returns it when it finishes.
+        `seed` is ignored (see the module docstring)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
