@@ -1,4 +1,5 @@
-"""Advantage estimators for segmented (compacted) rollouts — SPEC §3, paper eqs. (13)–(15).
+"""Advantage estimators for segmented (compacted) rollouts — paper eqs. (13)–(15); docs/method.md,
+'Advantages'.
 
 A rollout with compaction is split into segments (one per context window). Each segment is one
 row of a padded batch. Shape legend:
@@ -43,7 +44,8 @@ def adaptive_lambda(length, alpha=1.5):
 def rollout_lengths(mask, rollout_ids, segment_index, n_tokens=None):
     """Per-row N_after(k) = Σ_{j>k} n_j and the rollout's total trainable length T = Σ_j n_j.
 
-    All segments of every rollout in the batch must be present (SPEC §2): indices 0..K-1 with no
+    All segments of every rollout in the batch must be present (docs/method.md, 'Windows are the
+    samples'): indices 0..K-1 with no
     gaps or duplicates. `n_tokens` (B,), if given, is the trainable count each segment claims;
     a mismatch with `mask` is an error (it means tokens were lost between sampler and trainer).
     Returns (n_after, total), both (B,) int64.
@@ -116,7 +118,8 @@ def cross_trajectory_gae(values, mask, rewards, n_after, gamma, lam):
 
     The reward term of Â(k, i) is then discounted by its distance, in trainable tokens, to the
     end of the whole rollout — as one GAE over the concatenated rollout would (eq. 15).
-    Returns (advantages, returns): returns = A_loc + V, the critic's target (SPEC §3: never regress
+    Returns (advantages, returns): returns = A_loc + V, the critic's target (docs/method.md, 'The
+    critic target': never regress
     on the corrected Â + V).
     """
     _check_gae_inputs(values, mask, rewards, gamma, lam)
@@ -203,6 +206,15 @@ def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
     var = (s2 / count - mean ** 2).clamp(min=0.0)
     out = (x - mean) * torch.rsqrt(var + eps) if shift_mean else x * torch.rsqrt(var + eps)
     return (out * mask).to(x.dtype)
+
+
+def whiten_segments(advantages, masks):
+    """`masked_whiten` over a rank's segments, given as lists of (T_i,) advantages and masks, with
+    the statistics of every rank's trainable tokens. A collective: every rank calls it, also one
+    whose segments all left the batch (else the others would wait for it forever)."""
+    x = torch.cat(advantages) if advantages else torch.zeros(0, dtype=torch.float64)
+    m = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.float64)
+    return list(masked_whiten(x, m).split([len(a) for a in advantages]))
 
 
 # --- input checks: bad input fails loudly, naming the problem ---------------------------------

@@ -1,6 +1,6 @@
-"""Segments -> training tensors: one row per segment (a window, SPEC §2); rows spread over the
-ranks by tokens, grouped into mini-batches by rollout, and packed without padding into
-micro-batches by a token budget.
+"""Segments -> training tensors: one row per segment (a window: docs/method.md, 'Windows are the
+samples'); rows spread over the ranks by tokens, grouped into mini-batches by rollout, and packed
+without padding into micro-batches by a token budget.
 
 A row is a dict of 1-D tensors aligned with the targets (T = L − 1: position t predicts token
 t + 1) plus the segment's reward and ids; the trainer adds old log-probs, values, advantages and
@@ -68,8 +68,9 @@ def unpack(x, lengths):
 
 def micro_batches(rows, idx, max_tokens, device, keys=()):
     """Pack rows[idx] into micro-batches of at most `max_tokens` tokens, each one packed row
-    (`pack`); every rank gets the same number of micro-batches (SPEC §4: collectives must line
-    up), the missing ones as 2-token dummies with nothing in the loss (mb None)."""
+    (`pack`); every rank gets the same number of micro-batches (collectives must line up:
+    docs/method.md, 'Token-level normalization'), the missing ones as 2-token dummies with
+    nothing in the loss (mb None)."""
     mbs = [[idx[i] for i in mb] for mb in pack_micro_batches([len(rows[i]["ids"]) for i in idx], max_tokens)]
     n = int(fsdp.all_reduce(len(mbs), dist.ReduceOp.MAX))
     for mb in mbs + [None] * (n - len(mbs)):

@@ -63,9 +63,9 @@ class TimedEngine:
     def __init__(self, engine):
         self.engine, self.calls, self.seqs, self.prompt_tokens, self.seconds = engine, 0, 0, 0, 0.0
 
-    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids):
+    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids, seeds=None):
         t = time.perf_counter()
-        out = self.engine.generate(prompts, max_new_tokens, temperature, stop_token_ids)
+        out = self.engine.generate(prompts, max_new_tokens, temperature, stop_token_ids, seeds)
         self.seconds += time.perf_counter() - t
         self.calls += 1
         self.seqs += len(prompts)

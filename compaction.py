@@ -1,4 +1,4 @@
-"""Context compaction policy — SPEC §1, paper eqs. (7)–(9).
+"""Context compaction policy — docs/method.md, 'Rollouts with compaction'; paper eqs. (7)–(9).
 
     trigger  (eq. 7)   compact when  C − |h| < T_comp      (budget left below the reserve)
     summary  (eq. 8)   S ~ π_θ(· | h ⊕ q_sum)               the same trainable policy writes it

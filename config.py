@@ -45,8 +45,12 @@ class Config:
     eval_timeout: float = 1800.0
     """Seconds the reward's tests may run: the official harness's --timeout default. Paper: not stated."""
     env_workers: int = 8
-    """Threads per rank that start, step, grade and remove sandboxes: containers of different
-    episodes start and go concurrently."""
+    """Threads per rank that start, step, grade and remove sandboxes, while the engine generates for
+    the other episodes: each episode runs on its own (rollout.run_episodes), so a slow command
+    holds up only its own episode, and a finished episode is graded at once."""
+    episode_seconds: float = 0.0
+    """Wall-clock limit of one episode, seconds; 0 = none. An episode past it ends as `timeout`
+    (reward 0, still trained unless --mask-truncated). Paper: not stated."""
     pull_images: bool = False
     """--sandbox docker: pull the task images that are not present before training starts. Off: a
     missing image stops the run at start, named."""
@@ -68,7 +72,7 @@ class Config:
     environment returns, as an agent's do, so a long-context check needs few sampled tokens."""
     memory_max_key_at: int = 2
     """Memory task: at most this many distractors come before the key in RL episodes."""
-    # --- rollout with compaction (SPEC §1) --------------------------------------------------
+    # --- rollout with compaction (docs/method.md, 'Rollouts with compaction') ---------------
     context_budget: int = 72
     """C, tokens of one context window. Paper: 65536 (30B) / 81920 (106B). The memory task's 6
     distractors then need one compaction, after the 7th step."""
@@ -88,10 +92,14 @@ class Config:
     """Cap on one summary. Paper: 10240."""
     max_observation_tokens: int = 1024
     """Cap on one observation (head and tail kept). Not stated in the paper."""
+    max_format_errors: int = 3
+    """Consecutive replies without exactly one command that end a rollout (end reason
+    format_errors). Not stated in the paper."""
     keep_last: int = 2
     """k, recent atomic steps kept verbatim after compaction (eq. 9). Paper: 2."""
     repeat_task: bool = True
-    """Repeat the task text in the resume message (the paper does not say; SPEC default)."""
+    """Repeat the task text in the resume message. Not stated in the paper; on, so a resumed window
+    never depends on the summary to know its task."""
     temperature: float = 1.0
     """Sampling temperature; the trainer divides logits by it too. Paper: 1.0."""
     engine: Literal["auto", "hf", "vllm"] = "auto"
@@ -102,43 +110,51 @@ class Config:
     # --- batch ------------------------------------------------------------------------------
     steps: int = 50
     """Training steps (each: rollouts, critic updates and, after the first value_pretrain_steps, one
-    policy update). Must exceed value_pretrain_steps, or 0 (the warm-up alone)."""
+    policy update). Must exceed value_pretrain_steps, or 0 (the warm-up alone). Not stated in the
+    paper."""
     rollouts_per_step: int = 128
     """Global rollouts per step, split over ranks. Paper: 128 (group size 1)."""
     group_size: int = 1
     """Rollouts per task (estimator G needs > 1). Paper: 1."""
     mini_batches: int = 4
-    """Optimizer steps per PPO epoch; rollouts are split into this many mini-batches."""
+    """Optimizer steps per PPO epoch; rollouts are split into this many mini-batches, each with its
+    own token normalizer Z. Paper: 1 (one policy update per step). The CPU default takes 4 smaller
+    steps, which the tiny model needs to learn in minutes."""
     ppo_epochs: int = 1
     """Passes over the batch per policy update. Paper: 1 (one policy update per step)."""
     micro_batch_tokens: int = 16384
     """Tokens per forward/backward: windows packed into one row, without padding, up to this many
-    (a longer window runs alone). A memory knob, not a math knob."""
-    # --- algorithm (SPEC §3–§4) --------------------------------------------------------------
+    (a longer window runs alone). A memory knob, not a math knob (the loss is the same whatever it
+    is), so no paper value."""
+    # --- algorithm (docs/method.md, 'Advantages' and 'Losses') ------------------------------
     estimator: Literal["P", "E", "N", "G"] = "P"
     """P cross-trajectory GAE (paper), E concatenated GAE, N naive per-segment, G group-relative."""
     gamma: float = 1.0
-    """γ. Not stated in the paper; SPEC default 1."""
+    """γ. Not stated in the paper; 1 (the only reward is at the end of the rollout)."""
     lam_mode: Literal["rollout", "segment", "fixed"] = "rollout"
-    """λ = 1 − 1/(α·l) with l = rollout trainable length (default) or segment length; or `lam`."""
+    """λ = 1 − 1/(α·l) with l = the rollout's trainable tokens (default) or the segment's; or `lam`.
+    The paper does not state which length l is: rollout is this project's reading (every segment
+    of a rollout then shares one λ, as one GAE over the rollout would)."""
     lam: float = 0.95
-    """λ when lam_mode = fixed."""
+    """λ when lam_mode = fixed. Not a paper setting (the paper's λ is adaptive)."""
     lam_alpha: float = 1.5
     """α of the adaptive λ. Paper: 1.5."""
     critic_target: Literal["local", "mc"] = "local"
-    """local: G = A_loc + V (SPEC default); mc: G = R on every token."""
+    """local: G = A_loc + V, the local GAE's return (never the corrected Â + V); mc: G = R on every
+    token. Not stated in the paper."""
     normalizer: Literal["token", "segment", "rollout"] = "token"
     """Loss normalization: token = global trainable-token mean (paper eq. 12)."""
     whiten_advantages: bool = False
-    """Mask-aware, global advantage whitening. Paper: off."""
+    """Mask-aware advantage whitening with the statistics of every rank's trainable tokens. Not
+    stated in the paper (off here: R is already in [0, 1])."""
     clip_low: float = 0.2
-    """ε_low. Not stated in the paper; SPEC default 0.2."""
+    """ε_low. Not stated in the paper."""
     clip_high: float = 0.28
-    """ε_high. SPEC default 0.28."""
+    """ε_high (clip-higher, as DAPO). Not stated in the paper."""
     dual_clip: float = 0.0
-    """Dual-clip constant c for Â < 0; 0 = off."""
+    """Dual-clip constant c for Â < 0; 0 = off. Not stated in the paper."""
     value_clip: float = 0.2
-    """ε_v for the clipped value loss; 0 = off."""
+    """ε_v for the clipped value loss; 0 = off. Not stated in the paper."""
     kl_coef: float = 0.0
     """β of a KL(π_θ ‖ π_ref) penalty (k3 estimator per token) to the policy after the warm-up.
     Paper: 0 (no KL)."""
@@ -149,11 +165,11 @@ class Config:
     critic_lr: float = 3e-3
     """Critic Adam lr. Paper: 3e-6."""
     lr_schedule: Literal["linear", "constant"] = "linear"
-    """Both lrs decay linearly to 0 over `steps` (as CleanRL's PPO does), or stay constant (the paper
-    does not say). Tiny model: at a constant 1e-3 the policy blew up a few steps after reaching
-    0.99 success; at a constant 5e-4 it left chance much later, or not within 30 steps."""
+    """Both lrs decay linearly to 0 over `steps` (as CleanRL's PPO does), or stay constant. Paper:
+    constant (the swe-paper preset). The tiny model's lr of 1e-3 needs the decay: held constant it
+    destabilizes the policy once it has learned."""
     grad_clip: float = 1.0
-    """Max global grad norm."""
+    """Max global grad norm. Not stated in the paper."""
     critic_updates: int = 1
     """Critic updates per step (passes over the batch). Paper: 2. The CPU default is 1: each pass
     costs as much as the policy's, and with 1 the memory task still learns (README)."""
@@ -189,6 +205,9 @@ class Config:
     """Checkpoint every N steps (0 = only at the end)."""
     keep_checkpoints: int = 2
     """Checkpoints kept."""
+    log_every: int = 1
+    """Every N steps (and at the last), one line to stdout (step, reward, success given compaction,
+    compactions, s/step, tokens/s) when stdout is not a terminal; a terminal shows a progress bar."""
     dump_every: int = 10
     """Every N steps (and at the last), dump sample trajectories (samples_step*.txt, episodes_step*.jsonl)
     and rebuild report.html."""
@@ -231,7 +250,7 @@ PRESETS = {
                    max_summary_tokens=256, max_observation_tokens=512, max_turns=8, steps=20,
                    rollouts_per_step=8, mini_batches=2, value_pretrain_steps=1, warmup_steps=0)),
     "swe-paper": ("the paper's SWE settings (Docker sandboxes, C 65536, T_comp 10240, K 3, 128 rollouts, "
-                  "lrs 2e-6/3e-6, 2 critic updates, 50 value pre-training steps, 300 steps) on GPUs with "
+                  "constant lrs 2e-6/3e-6, one policy update per step, 2 critic updates, 50 value pre-training steps, 300 steps) on GPUs with "
                   "vLLM, sized by the memory plan for 8B on 80 GB (activation checkpointing, optimizer "
                   "states offloaded to the CPU, a 40 GiB KV cache); give --model, --tasks and, for a "
                   "model whose positions end before the longest window, --rope-scaling",
@@ -239,7 +258,7 @@ PRESETS = {
                          reserve=10240, max_action_tokens=10240, max_summary_tokens=10240, max_compactions=3,
                          max_turns=250, rollouts_per_step=128, group_size=1, mini_batches=1, ppo_epochs=1,
                          actor_lr=2e-6, critic_lr=3e-6, critic_updates=2, value_pretrain_steps=50, steps=300,
-                         warmup_steps=0, entropy_coef=0.0, kl_coef=0.0, engine="vllm",
+                         lr_schedule="constant", warmup_steps=0, entropy_coef=0.0, kl_coef=0.0, engine="vllm",
                          activation_checkpointing=True, cpu_offload=True, kv_cache_gib=40.0)),
 }
 """name: (what it is for, its Config). Flags given with a preset override its values."""
@@ -297,8 +316,8 @@ def finalize(cfg, world):
         "the warm-up exists for the memory task only: --task swe needs --warmup-steps 0 (as --preset swe sets)"
     assert cfg.model or cfg.preset != "swe-paper", \
         "--preset swe-paper trains a real policy: give --model (a Hugging Face id or local checkpoint)"
-    assert cfg.env_workers >= 1 and cfg.command_timeout > 0 and cfg.eval_timeout > 0, \
-        "env_workers, command_timeout and eval_timeout must be positive"
+    assert cfg.env_workers >= 1 and cfg.command_timeout > 0 and cfg.eval_timeout > 0 and cfg.episode_seconds >= 0, \
+        "env_workers, command_timeout and eval_timeout must be positive, episode_seconds >= 0"
     assert not (cfg.resume and cfg.overwrite), "--resume continues the run in out_dir, --overwrite replaces it"
     assert cfg.steps == 0 or cfg.steps > cfg.value_pretrain_steps, \
         (f"--steps {cfg.steps} with --value-pretrain-steps {cfg.value_pretrain_steps}: steps 0 to "

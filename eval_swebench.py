@@ -1,4 +1,4 @@
-r"""SWE-bench Verified evaluation with context compaction, graded by the official harness (SPEC §6).
+r"""SWE-bench Verified evaluation with context compaction, graded by the official harness.
 
     python eval_swebench.py                    # anywhere: embedded tiny model, built-in tasks, local grading
     python eval_swebench.py --mode docker --dataset tasks/swe/tasks.jsonl
@@ -35,7 +35,8 @@ Where we depart from the paper's evaluation:
   sentinel) with the training compaction, so the numbers measure the policy in the loop it was
   trained in; they are not comparable with the paper's absolute numbers.
 * An episode that ends without submitting (turn, context or format limit) gets an empty patch,
-  as its training reward is 0 (SPEC §1); --grade-unsubmitted grades its final state, as Harbor does.
+  as its training reward is 0 (docs/method.md, 'How a rollout ends'); --grade-unsubmitted grades its
+  final state, as Harbor does.
 * Sampling is plain softmax(logits / T), no top-p/top-k, as in training.
 * Instances run in lock-step batches of `workers` (one engine call per turn for the batch), so a
   batch lasts as long as its slowest episode; resuming skips whole finished instances only.
@@ -129,12 +130,12 @@ class Config:
     keep_last: int = 2
     """k, recent atomic steps kept verbatim after a compaction (eq. 9). Paper: 2."""
     repeat_task: bool = True
-    """Repeat the task text in the resume message (the paper does not say; SPEC default)."""
+    """Repeat the task text in the resume message (the paper does not say; default on)."""
     max_format_errors: int = 3
     """Consecutive replies without exactly one command block that end an episode. Paper: not stated."""
     grade_unsubmitted: bool = False
     """Also grade the final state of episodes that ended without submitting, as Harbor does.
-    Off = the training reward's rule (SPEC §1): no submission, empty patch."""
+    Off = the training reward's rule (docs/method.md, 'How a rollout ends'): no submission, empty patch."""
     # --- sandboxes and grading ------------------------------------------------------------------
     command_timeout: float = 60.0
     """Seconds one agent command may run. Paper: not stated."""

@@ -100,7 +100,7 @@ def decoder_layers(module):
 
 
 def shard(module, device, mixed_precision, activation_checkpointing=False, cpu_offload=False):
-    """fully_shard each decoder layer, then the root (SPEC §6). The root owns the embeddings,
+    """fully_shard each decoder layer, then the root. The root owns the embeddings,
     final norm and heads; its forward gathers them once per call. cpu_offload: the sharded fp32
     parameters, their gradients and hence the optimizer's states live in host memory (pinned on
     a GPU machine: FSDP2 moves them there when it first runs), and the optimizer steps there."""

@@ -1,4 +1,4 @@
-"""PPO losses with token-level normalization — SPEC §4, paper eq. (12).
+"""PPO losses with token-level normalization — docs/method.md, 'Losses'; paper eq. (12).
 
 Shape legend: B = segments in a micro-batch, T = token positions (aligned with the targets).
 Every loss here returns a *sum* over tokens, never a mean: the caller divides by one global
@@ -14,7 +14,6 @@ averaging that FSDP/DDP apply across ranks. Dividing by a per-micro-batch count 
 classic bug: with one segment per micro-batch a "token mean" silently becomes a segment mean.
 """
 import torch
-import torch.distributed as dist
 
 NORMALIZERS = ("token", "segment", "rollout")
 
@@ -108,17 +107,6 @@ def normalizer_weights(mask, rollout_ids, kind="token"):
     t_roll = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inv, n)  # (rollouts,)
     w_row = torch.where(real, 1.0 / t_roll[inv].clamp(min=1), torch.zeros_like(n))
     return (w_row[:, None].expand_as(m)).float(), (t_roll > 0).sum().to(torch.float64)
-
-
-def global_sum(x):
-    """All-reduce SUM across data-parallel ranks (identity when not distributed).
-
-    Used once per optimizer step for the denominator Z (or D): every rank must call it.
-    """
-    x = torch.as_tensor(x, dtype=torch.float64).clone()
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
-    return x
 
 
 def finalize_metrics(sums, prefix):

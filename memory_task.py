@@ -14,7 +14,9 @@ Actions before the question are free (the environment ignores them; train.py cap
 token, so every step costs the same 7 tokens). The context budget C is sized (config.py) so the
 episode does not fit in one window: compaction fires after a few noise steps, the resume keeps
 the last k steps (the key is never among them), and the key survives only if the policy's own
-summary carries it. With K = 0 compactions the budget runs out and the reward is 0.
+summary carries it. With K = 0 there is no summary to make room for, so the single window runs on
+past the trigger to its whole budget C: where the question still fits, reading the context is
+enough (as for the K = 0 baseline of a real agent), and where it does not, the reward is 0.
 
 `p_short` mixes in short episodes whose question comes before any compaction (0 to
 max_noise_short distractors); `max_key_at` lets up to that many distractors come before the key.
@@ -120,35 +122,37 @@ class WarmupDemoEngine:
     happens to equal the key). Why copy a line rather than write a random symbol: the earlier
     random-symbol warm-up trained "after `key` in a summary comes an unrelated symbol", against
     the copy the answer skill uses; RL then found positional shortcuts (copy the first
-    observation) and stalled near 0.5 (README, "What the default run learns").
+    observation) and stalled near 0.5 (docs/results.md, "how the default recipe was found").
     """
 
     def __init__(self, codec, n_keys, seed):
         self.tok = codec.tok
         self.keys = symbols(n_keys)
-        self.rng = random.Random(seed)
+        self.seed = seed
         # a prompt ending in one of these asks for the answer / for a summary (template-agnostic)
         self.asks_answer, self.asks_summary = (codec.message({"role": "user", "content": q}) + codec.gen_prompt
                                                for q in (QUESTION, SUMMARY_INSTRUCTION))
 
-    def _reply(self, ids):
+    def _reply(self, ids, rng):
         if ids[-len(self.asks_answer):] == self.asks_answer:
             context = self.tok.decode(ids)
             keys = re.findall(r"key ([A-Z])", context)
             if keys:
                 return keys[-1]
             kept = re.findall(r"Summary:\n(?:noise|key) ([A-Z])", context)  # the summary's symbol
-            return kept[-1] if kept else self.rng.choice(self.keys)
+            return kept[-1] if kept else rng.choice(self.keys)
         if ids[-len(self.asks_summary):] == self.asks_summary:
             # observation lines (and the previous summary's line): a whole message or line
             lines = re.findall(r"(?:^|[>\n])((?:noise|key) [A-Z])(?=[<\n])", self.tok.decode(ids))
-            return self.rng.choice(lines) if lines else f"noise {self.rng.choice(self.keys)}"
+            return rng.choice(lines) if lines else f"noise {rng.choice(self.keys)}"
         return "ok"
 
-    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids):
+    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids, seeds=None):
         from rollout import Generation
         out = []
-        for p, n in zip(prompts, max_new_tokens):
-            ids = (self.tok.encode(self._reply(list(p)), add_special_tokens=False) + [stop_token_ids[0]])[:n]
+        for i, (p, n) in enumerate(zip(prompts, max_new_tokens)):
+            # each request's pick from its own seed: the demos do not depend on completion order
+            rng = random.Random(f"{self.seed}:{seeds[i] if seeds else i}")
+            ids = (self.tok.encode(self._reply(list(p), rng), add_special_tokens=False) + [stop_token_ids[0]])[:n]
             out.append(Generation(ids, [0.0] * len(ids), "stop" if ids[-1] in stop_token_ids else "length"))
         return out

@@ -1,5 +1,5 @@
-"""Metrics and logging for train.py — every key written to metrics.jsonl is documented in the
-README ("Metrics"). Episode statistics are summed on each rank, all-reduced, then turned into
+"""Metrics and logging for train.py — every key written to metrics.jsonl is documented in
+docs/metrics.md. Episode statistics are summed on each rank, all-reduced, then turned into
 means, so they describe the global batch whatever the number of ranks.
 """
 import json
@@ -22,7 +22,7 @@ ENDINGS = ("submitted", "max_turns", "format_errors", "budget_exhausted", "conte
 
 
 def rollout_metrics(episodes, rows):
-    """Sums over this rank's episodes; all-reduced, then turned into means (README: metrics)."""
+    """Sums over this rank's episodes; all-reduced, then turned into means (docs/metrics.md)."""
     compacted = [e for e in episodes if e.compactions > 0]
     summary_tokens = sum(sum(b - a for k, a, b in s.spans if k == "summary")
                          for e in episodes for s in e.segments)
@@ -208,3 +208,10 @@ def reduce_sums(per_minibatch):
             (dist.ReduceOp.MIN, math.inf) if k.endswith("_min") else (dist.ReduceOp.SUM, 0.0)
         out[k] = float(fsdp.all_reduce(acc.get(k, empty), op))
     return out
+
+
+def step_line(step, steps, m):
+    """One plain line per step for a log file, where no progress bar is drawn."""
+    return (f"step {step + 1}/{steps} · reward {m['rollout/reward']:.3f} · success|compaction "
+            f"{m['rollout/success_given_compaction']:.3f} · compactions {m['rollout/compactions']:.2f} · "
+            f"{m['time/step']:.1f} s/step · {m['time/tokens_per_s']:.0f} tokens/s")

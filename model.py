@@ -8,10 +8,12 @@ holds log π(x_{t+1} | x_{≤t}) and the value V(x_{≤t}) of the state before t
 * `Actor` / `Critic` are thin nn.Modules whose forward is the whole computation, so FSDP2 can
   shard their decoder layers and treat the wrapper as the root (the root's pre-forward hook
   gathers the embeddings, final norm and head for the duration of the forward).
-* The critic is the same checkpoint's backbone with a scalar head (SPEC §5), zero-initialized so
+* The critic is the same checkpoint's backbone with a scalar head (docs/method.md, 'The critic
+  target'), zero-initialized so
   the first values are 0.
 * `ChatCodec` renders each new message once, to ids, and appends them; sampled ids are never
-  decoded and re-encoded, so the trainer sees exactly the ids the sampler saw (SPEC §2). Message
+  decoded and re-encoded, so the trainer sees exactly the ids the sampler saw (docs/method.md,
+  'Windows are the samples'). Message
   content is inert: special tokens come only from the template, so a file or command output
   that contains "<|im_end|>" cannot forge a turn boundary.
 """
@@ -57,8 +59,7 @@ def build_tiny_model(out_dir, vocab_size=1024, hidden_size=64, num_layers=2, num
     Byte-level BPE (any UTF-8 text round-trips) trained locally with `tokenizers`; special tokens
     for pad/eos and each chat role; a compact Phi-3-style template (CHAT_TEMPLATE). head_dim 32
     because vLLM's CPU attention accepts head_dim in {32, 64, 80, ...}. `init_std` replaces HF's
-    0.02 default: a tiny random model with std 0.02 has near-uniform outputs and RL from it stalls
-    (notes/toy-memory-task).
+    0.02 default: a tiny random model with std 0.02 has near-uniform outputs and RL from it stalls.
     Returns out_dir; load it with `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer`.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers

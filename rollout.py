@@ -1,14 +1,21 @@
-"""Agent rollouts with context compaction — SPEC §1, §2, §6.
+"""Agent rollouts with context compaction — docs/method.md, 'Rollouts with compaction' and
+'Windows are the samples'.
 
-The loop is batched across episodes: every live episode produces its next turn in ONE engine
-call. Each turn: check the compaction trigger (eq. 7); for episodes that must compact, append the
-summary instruction, let the same policy write the summary (eq. 8) and rebuild the window (eq. 9);
-then generate the action, step the environment, append the observation.
+Every episode is its own sequential program (`_episode`): check the compaction trigger (eq. 7);
+when it fires, append the summary instruction, let the same policy write the summary (eq. 8) and
+rebuild the window (eq. 9); generate the action, step the environment, append the observation;
+at its end, grade it. `run_episodes` runs many such programs at once on one asyncio loop: when an
+episode's observation is ready its next request goes to the engine at once (scheduler.py batches
+whatever is pending), while environment steps, sandbox start-ups and grading run in a bounded
+thread pool. So no episode waits for the slowest turn of the others, and the engine is not idle
+while commands run.
 
 Every window becomes a `Segment`, the training sample: its prompt, and a response made of spans
 (action, observation, summary_instruction, summary) with a loss mask that is 1 exactly on the
 tokens the policy sampled. Contexts are built incrementally as token ids (model.ChatCodec) and
-never re-tokenized from text, so trainer ids equal sampler ids token for token.
+never re-tokenized from text, so trainer ids equal sampler ids token for token. An episode's
+segments depend only on its own engine outputs and environment, never on the order in which
+episodes' requests and commands complete.
 
 Token layout of one window (G = generation prompt, E = turn close, O = observation message):
     prompt = s ⊕ u  (or s ⊕ u_resume(S) ⊕ tail steps)
@@ -16,15 +23,16 @@ Token layout of one window (G = generation prompt, E = turn close, O = observati
 The environment sees the answer of each turn, after any reasoning block (env.split_reasoning).
     end    = q_sum-message G  S       (summary instruction, then the sampled summary S)
 """
+import asyncio
 import concurrent.futures as cf
 import logging
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from compaction import SUMMARY_INSTRUCTION, can_compact, resume_text, select_tail, should_compact
 from env import split_reasoning
+from scheduler import Progress, Scheduler
 
 TRAINABLE_KINDS = ("action", "summary")
 log = logging.getLogger(__name__)
@@ -40,14 +48,27 @@ class Generation:
 
 
 class Engine:
-    """Interface of a rollout engine (HFEngine here; vllm_engine.VLLMEngine behind the same one)."""
+    """Interface of a rollout engine (HFEngine here; vllm_engine.VLLMEngine behind the same one).
 
-    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids):
-        """prompts: list of token-id lists; max_new_tokens: one int per prompt. -> [Generation]"""
+    An engine with only `generate` is served in batches: scheduler.py gathers the pending requests
+    into one call. An engine that batches continuously (vLLM) also has `submit`, `step` and
+    `abort`, and requests join and leave its running batch one engine step at a time."""
+
+    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids, seeds=None):
+        """prompts: list of token-id lists; max_new_tokens: one int per prompt; seeds: one int per
+        prompt, or None to draw them from torch's global generator. -> [Generation], in order.
+
+        A seeded engine draws each prompt's sampling noise from that prompt's seed alone, so what
+        it samples for a prompt does not depend on what the prompt was batched with."""
         raise NotImplementedError
 
     dtype = torch.float32
     """The dtype the engine computes in: pushed weights are cast to it before they are gathered."""
+
+    def capacity(self, window_tokens):
+        """How many windows of `window_tokens` tokens the engine's KV cache holds at once; None
+        when it keeps nothing between calls (HFEngine recomputes every prompt)."""
+        return None
 
     def load_weights(self, named_tensors):
         """Replace the weights with (name, tensor) pairs in Hugging Face naming, from any iterable:
@@ -65,9 +86,10 @@ class Engine:
 
 
 class HFEngine(Engine):
-    """transformers `generate`, batched and left-padded. Sampling is pure softmax(logits / T):
-    top-k and top-p are switched off, so the returned log-probs are those of the distribution
-    actually sampled (the trainer divides its logits by the same T)."""
+    """transformers `generate`, batched and left-padded. Sampling is pure softmax(logits / T),
+    drawn by Gumbel-max with noise from each prompt's own seed (`GumbelNoise`): top-k and top-p
+    are off, so the returned log-probs are those of the distribution actually sampled (the trainer
+    divides its logits by the same T), and a prompt's sample does not depend on its batch."""
 
     def __init__(self, model, pad_token_id):
         self.model = model.eval()
@@ -75,9 +97,11 @@ class HFEngine(Engine):
         self.dtype = next(model.parameters()).dtype
 
     @torch.no_grad()
-    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids):
+    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids, seeds=None):
         if temperature <= 0:
             raise ValueError("HFEngine samples; temperature must be > 0")
+        if seeds is None:
+            seeds = torch.randint(0, 2**62, (len(prompts),)).tolist()
         device = next(self.model.parameters()).device
         L = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), L), self.pad, dtype=torch.long)
@@ -85,8 +109,9 @@ class HFEngine(Engine):
         for i, p in enumerate(prompts):
             ids[i, L - len(p):] = torch.tensor(p)
             attn[i, L - len(p):] = 1
+        # Greedy decoding over logits / T + Gumbel noise is sampling from softmax(logits / T).
         out = self.model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
-                                  do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                                  do_sample=False, logits_processor=[GumbelNoise(seeds, temperature)],
                                   max_new_tokens=max(max_new_tokens), eos_token_id=stop_token_ids,
                                   pad_token_id=self.pad, output_logits=True,
                                   return_dict_in_generate=True)
@@ -114,13 +139,29 @@ class HFEngine(Engine):
             own[name].copy_(t)
 
 
+class GumbelNoise:
+    """A transformers logits processor: scores / T plus Gumbel noise, each row's drawn from a
+    generator of its own, seeded per prompt. Every row draws V numbers at every step whatever its
+    batch holds, so row i's tokens are a function of its prompt and seed alone."""
+
+    def __init__(self, seeds, temperature):
+        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self.temperature = temperature
+
+    def __call__(self, input_ids, scores):  # scores: (B, V)
+        u = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.generators])
+        gumbel = -torch.log(-torch.log(u.clamp(min=1e-20)))
+        return scores.float() / self.temperature + gumbel.to(scores.device)
+
+
 def make_engine(kind, model_path, pad_token_id, device, seed=0, max_model_len=None, kv_cache_bytes=None,
                 dtype=None, rope_scaling=None, memory_fraction=None):
     """The rollout engine for `model_path`: kind is "hf", "vllm" or "auto" (vLLM when it is
     installed and a GPU is present). vllm_engine is imported only when vLLM is asked for; options
     left at None keep VLLMEngine's defaults (HFEngine's dtype: float32). Both engines run the model
-    with the config the trainer uses (model.hf_config: `rope_scaling` applied). `seed` is vLLM's sampling seed:
-    HFEngine samples from torch's global RNG, so a reproducible HF rollout is seeded with
+    with the config the trainer uses (model.hf_config: `rope_scaling` applied). `seed` is vLLM's
+    start-up seed. Sampling draws from torch's global generator (HFEngine: the per-request seeds
+    run_episodes derives from it; vLLM: its noise), so a reproducible rollout is seeded with
     torch.manual_seed by its caller."""
     if kind == "auto":
         import importlib.util
@@ -142,7 +183,7 @@ def make_engine(kind, model_path, pad_token_id, device, seed=0, max_model_len=No
 
 @dataclass
 class Segment:
-    """One context window of a rollout: a training sample (SPEC §2)."""
+    """One context window of a rollout: a training sample (docs/method.md, 'Windows are the samples')."""
     prompt_ids: list
     response_ids: list = field(default_factory=list)
     loss_mask: list = field(default_factory=list)  # 1 on sampled tokens
@@ -193,12 +234,13 @@ class _Live:
     """Loop state of one running episode."""
     ep: Episode
     env: object
-    system: str
-    task: str
-    seg: Segment | None  # None when the environment failed to start
+    system: str = ""
+    task: str = ""
+    seg: Segment | None = None  # None until the environment has started
     steps: list = field(default_factory=list)  # atomic steps of this window: (action ids, E+O ids)
     format_errors: int = 0
-    start: float = 0.0
+    generations: int = 0  # engine requests so far: with the rollout id, the seed of the next one
+    closed: bool = False  # env.close() was called
 
     @property
     def used(self):
@@ -220,37 +262,107 @@ class RolloutConfig:
     max_observation_tokens: int = 1024  # an observation longer than this is cut in the middle
     max_format_errors: int = 3
     max_seconds: float = 0.0  # wall time per episode, 0 = no limit
-    env_workers: int = 8  # threads stepping environments (sandbox commands) in parallel
+    env_workers: int = 8  # threads starting, stepping, grading and closing environments
     summary_instruction: str = SUMMARY_INSTRUCTION  # q_sum
     resume_template: str = ""  # u_resume with {task} and {summary}; "" = compaction's default
 
 
-def run_episodes(engine, codec, envs, cfg, rollout_ids, task_ids, group_ids=None, summary_engine=None):
-    """Run one episode per environment, all in lockstep batches. Returns [Episode].
+def run_episodes(engine, codec, envs, cfg, rollout_ids, task_ids, group_ids=None, summary_engine=None,
+                 lockstep=False, progress=False):
+    """Run one episode per environment, all concurrently. Returns [Episode], by rollout id.
 
-    summary_engine: another engine writes the summaries (the "frozen summarizer" ablation); its
-    tokens are then not the policy's samples and are not trained (mask 0)."""
+    All of them finish before it returns (a training step's batch is on-policy). At most as many
+    run at once as the engines' KV caches hold windows (Engine.capacity), so the prefix cache keeps
+    every live episode's window. summary_engine: another engine writes the summaries (the "frozen
+    summarizer" ablation); its tokens are then not the policy's samples and are not trained (mask 0).
+    lockstep: the baseline of bench_async.py, no more: every engine call waits until all live
+    episodes have a request in, like a loop that advances them one turn at a time.
+    progress: a bar on a terminal, else a line every 30 s (scheduler.Progress)."""
     group_ids = group_ids if group_ids is not None else rollout_ids
-    with cf.ThreadPoolExecutor(max_workers=max(1, cfg.env_workers)) as pool:
-        starts = list(pool.map(_reset, envs))   # sandboxes start concurrently
-        states = [_start(*a, codec) for a in zip(envs, starts, rollout_ids, task_ids, group_ids)]
-        live, done = _split(states, lambda s: s.ep.end_reason == "")
-        while live:
-            live, ended = _check_limits(live, cfg)
-            done += ended
-            to_compact = [s for s in live if s.steps and should_compact(s.used, cfg.context_budget, cfg.reserve)]
-            if to_compact:
-                _compact(summary_engine or engine, codec, to_compact, cfg, summary_engine is None)
-                live, ended = _split(live, lambda s: s.ep.end_reason == "")
-                done += ended
-            if not live:
-                break
-            _act(engine, codec, live, cfg, pool)
-            live, ended = _split(live, lambda s: s.ep.end_reason == "")
-            done += ended
-        for s, r in zip(done, list(pool.map(_score, done))):
-            _finish(s, r)
-    return sorted([s.ep for s in done], key=lambda e: e.rollout_id)
+    states = [_Live(Episode(*a), env) for a, env in zip(zip(rollout_ids, task_ids, group_ids), envs)]
+    window = (cfg.context_budget + cfg.max_observation_tokens + cfg.max_summary_tokens
+              + len(codec.message({"role": "user", "content": cfg.summary_instruction})) + len(codec.gen_prompt))
+    engines = list(dict.fromkeys(e for e in (engine, summary_engine) if e is not None))
+    capacities = [c for e in engines if hasattr(e, "capacity") and (c := e.capacity(window)) is not None]
+    if any(c < 1 for c in capacities):
+        raise ValueError(f"the engine's KV cache cannot hold one window of {window} tokens")
+    live = min([max(1, len(envs))] + capacities)
+    base_seed = int(torch.randint(0, 2**62, ()))
+    pool = cf.ThreadPoolExecutor(max_workers=max(1, cfg.env_workers))
+    try:
+        asyncio.run(_run_all(engines, summary_engine is None, codec, states, cfg, pool, live, base_seed,
+                             lockstep, progress))
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # a command that hangs must not hang the caller
+        left = [s for s in states if not s.closed]  # interrupted (Ctrl-C) or failed: close the rest
+        if left:
+            with cf.ThreadPoolExecutor(max_workers=max(1, cfg.env_workers)) as closer:
+                list(closer.map(_close, left))
+    return sorted([s.ep for s in states], key=lambda e: e.rollout_id)
+
+
+async def _run_all(engines, train_summaries, codec, states, cfg, pool, live, base_seed, lockstep, progress):
+    """The episodes as tasks, and the scheduler serving their requests until all have ended.
+    engines: the policy's, then the summaries' if it is another."""
+    loop = asyncio.get_running_loop()
+    engine, summarizer = engines[0], engines[-1]
+    sched = Scheduler(engines, cfg.temperature, codec.stop_ids, lockstep)
+    bar = Progress(len(states), sched, progress)
+    slots = asyncio.Semaphore(live)
+
+    def run(fn, *args):  # environment work goes to the pool, never blocks the loop
+        return loop.run_in_executor(pool, fn, *args)
+
+    async def one(s):
+        async with slots:
+            async with sched.admitted():
+                await _episode(s, sched, engine, summarizer, train_summaries, codec, cfg, run, base_seed)
+            _finish(s, await run(_score, s))  # grading starts as soon as the episode ends
+        bar.episode_done(s.ep)
+
+    helpers = [asyncio.create_task(sched.serve()), asyncio.create_task(bar.report())]
+    tasks = [asyncio.create_task(one(s)) for s in states]
+    try:
+        left = set(tasks)
+        while left:
+            done, _ = await asyncio.wait(left | {helpers[0]}, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                t.result()  # raises an episode's error, or the server's (it ends only by failing)
+            left -= done
+    finally:
+        for t in tasks + helpers:
+            t.cancel()
+        await asyncio.gather(*tasks, *helpers, return_exceptions=True)
+        bar.close()
+
+
+async def _episode(s, sched, engine, summarizer, train_summaries, codec, cfg, run, base_seed):
+    """One episode, start to end, as a sequential program; `max_seconds` is enforced while it
+    waits on the engine or its environment."""
+    messages = await run(_reset, s.env)
+    if isinstance(messages, Exception):
+        log.error("environment of rollout %s (task %s) failed to start", s.ep.rollout_id, s.ep.task_id,
+                  exc_info=messages)
+        s.ep.end_reason = "env_error"  # no window
+        return
+    s.system, s.task = messages[0]["content"], messages[1]["content"]
+    s.seg = Segment(prompt_ids=codec.prompt(messages), rollout_id=s.ep.rollout_id)
+
+    async def turns():
+        while not (reason := _limit(s, cfg)):
+            if s.steps and should_compact(s.used, cfg.context_budget, cfg.reserve) \
+                    and can_compact(s.ep.compactions, cfg.max_compactions):
+                await _compact(s, sched, summarizer, codec, cfg, base_seed, train_summaries)
+            else:
+                await _act(s, sched, engine, codec, cfg, run, base_seed)
+            if s.ep.end_reason:
+                return
+        _end(s, reason)
+
+    try:
+        await asyncio.wait_for(turns(), cfg.max_seconds or None)
+    except TimeoutError:
+        _end(s, "timeout")  # the window as it stood at its last complete span
 
 
 def _reset(env):
@@ -261,99 +373,81 @@ def _reset(env):
         return e
 
 
-def _start(env, messages, rid, tid, gid, codec):
-    """The episode's first window; a failed reset ends the episode at once, with env_error and no
-    window."""
-    ep = Episode(rid, tid, gid)
-    if isinstance(messages, Exception):
-        log.error("environment of rollout %s (task %s) failed to start", rid, tid, exc_info=messages)
-        ep.end_reason = "env_error"
-        return _Live(ep, env, "", "", None)
-    seg = Segment(prompt_ids=codec.prompt(messages), rollout_id=rid)
-    return _Live(ep, env, messages[0]["content"], messages[1]["content"], seg, start=time.time())
-
-
-def _split(states, keep):
-    return [s for s in states if keep(s)], [s for s in states if not keep(s)]
-
-
 def _end(s, reason):
     s.ep.end_reason = reason
     s.ep.segments.append(s.seg)
 
 
-def _check_limits(live, cfg):
-    for s in live:
-        if s.ep.turns >= cfg.max_turns:
-            _end(s, "max_turns")
-        elif s.format_errors >= cfg.max_format_errors:
-            _end(s, "format_errors")
-        elif cfg.max_seconds and time.time() - s.start > cfg.max_seconds:
-            _end(s, "timeout")
-        elif should_compact(s.used, cfg.context_budget, cfg.reserve):
-            if not s.steps:
-                _end(s, "context_overflow")  # nothing to summarize: the prompt alone is too long
-            elif not can_compact(s.ep.compactions, cfg.max_compactions):
-                _end(s, "budget_exhausted")  # SPEC §1: reward 0, still trained
-    return _split(live, lambda s: s.ep.end_reason == "")
+def _limit(s, cfg):
+    """Why the episode must end before its next turn, or "" to go on."""
+    if s.ep.turns >= cfg.max_turns:
+        return "max_turns"
+    if s.format_errors >= cfg.max_format_errors:
+        return "format_errors"
+    if not can_compact(s.ep.compactions, cfg.max_compactions):
+        # K spent: no summary is left to write, so the reserve T_comp that keeps room for one
+        # is the window's too; it runs on until its whole budget C is used (each action capped
+        # by the room left). Reward 0, still trained.
+        return "budget_exhausted" if s.used >= cfg.context_budget else ""
+    if should_compact(s.used, cfg.context_budget, cfg.reserve) and not s.steps:
+        return "context_overflow"  # nothing to summarize: the prompt alone is too long
+    return ""
 
 
-def _compact(engine, codec, states, cfg, trainable=True):
-    """Summary (eq. 8) then resume (eq. 9) for every state in `states`, in one engine call."""
+async def _generate(s, sched, engine, prompt, max_new_tokens, base_seed):
+    """The engine's reply to `prompt`, seeded by (batch seed, rollout id, request number)."""
+    seed = hash((base_seed, s.ep.rollout_id, s.generations)) & (2**62 - 1)  # ints hash alike in every process
+    s.generations += 1
+    return await sched.generate(engine, prompt, max_new_tokens, seed)
+
+
+async def _compact(s, sched, engine, codec, cfg, base_seed, trainable=True):
+    """Summary (eq. 8) then resume (eq. 9). The window changes only once the summary is back, so
+    an episode stopped while it waits (max_seconds) keeps a whole window."""
     instr = codec.message({"role": "user", "content": cfg.summary_instruction}) + codec.gen_prompt
-    for s in states:
-        s.seg.append(instr, "summary_instruction")
-    gens = engine.generate([s.seg.ids for s in states], [cfg.max_summary_tokens] * len(states),
-                           cfg.temperature, codec.stop_ids)
-    for s, g in zip(states, gens):
-        s.seg.append(g.token_ids, "summary", g.logprobs, trainable=trainable)
-        summary = split_reasoning(codec.decode(g.token_ids))[1].strip()
-        s.ep.summaries.append(summary)
-        s.ep.compactions += 1
-        head = codec.prompt([{"role": "system", "content": s.system},
-                             {"role": "user", "content": resume_text(s.task, summary, cfg.repeat_task,
-                                                                             cfg.resume_template)}])
-        step_ids = [codec.gen_prompt + a + eo for a, eo in s.steps]
-        k = select_tail(len(head), [len(x) for x in step_ids], cfg.context_budget, cfg.reserve,
-                        cfg.keep_last)
-        s.ep.segments.append(s.seg)
-        if k is None:  # even s ⊕ u_resume(S) leaves less than the reserve: cannot continue
-            s.ep.end_reason = "context_overflow"
-            continue
-        tail = step_ids[len(step_ids) - k:] if k else []
-        s.steps = s.steps[len(s.steps) - k:] if k else []
-        s.seg = Segment(prompt_ids=head + [t for x in tail for t in x], rollout_id=s.ep.rollout_id,
-                        segment_index=len(s.ep.segments))
+    g = await _generate(s, sched, engine, s.seg.ids + instr, cfg.max_summary_tokens, base_seed)
+    s.seg.append(instr, "summary_instruction")
+    s.seg.append(g.token_ids, "summary", g.logprobs, trainable=trainable)
+    summary = split_reasoning(codec.decode(g.token_ids))[1].strip()
+    s.ep.summaries.append(summary)
+    s.ep.compactions += 1
+    head = codec.prompt([{"role": "system", "content": s.system},
+                         {"role": "user", "content": resume_text(s.task, summary, cfg.repeat_task,
+                                                                 cfg.resume_template)}])
+    step_ids = [codec.gen_prompt + a + eo for a, eo in s.steps]
+    k = select_tail(len(head), [len(x) for x in step_ids], cfg.context_budget, cfg.reserve, cfg.keep_last)
+    s.ep.segments.append(s.seg)
+    if k is None:  # even s ⊕ u_resume(S) leaves less than the reserve: cannot continue
+        s.ep.end_reason = "context_overflow"
+        return
+    tail = step_ids[len(step_ids) - k:] if k else []
+    s.steps = s.steps[len(s.steps) - k:] if k else []
+    s.seg = Segment(prompt_ids=head + [t for x in tail for t in x], rollout_id=s.ep.rollout_id,
+                    segment_index=len(s.ep.segments))
 
 
-def _act(engine, codec, live, cfg, pool):
-    """One action for every live episode (one engine call), then the environments step."""
-    for s in live:
-        if s.seg.response_ids:
-            s.seg.append(codec.gen_prompt, "observation")
-        else:
-            s.seg.prompt_ids = s.seg.prompt_ids + codec.gen_prompt  # a window opens with s ⊕ u ⊕ G
-    room = [min(cfg.max_action_tokens, cfg.context_budget - s.used) for s in live]
-    gens = engine.generate([s.seg.ids for s in live], [max(1, r) for r in room], cfg.temperature,
-                           codec.stop_ids)
-    texts = []
-    for s, g in zip(live, gens):
-        s.seg.append(g.token_ids, "action", g.logprobs)
-        s.ep.turns += 1
-        texts.append(split_reasoning(codec.decode(g.token_ids))[1])  # the environment acts on the answer
-    results = list(pool.map(_env_step, live, texts))
-    for s, g, step in zip(live, gens, results):
-        if step is None:  # the environment itself failed: end this episode, keep the others
-            _end(s, "env_error")
-            continue
-        s.format_errors = s.format_errors + 1 if step.format_error else 0
-        if step.done:
-            _end(s, "submitted")
-            continue
-        obs = clip_tokens(codec, step.observation, cfg.max_observation_tokens)
-        eo = codec.after_turn(g.token_ids, {"role": "user", "content": obs})
-        s.seg.append(eo, "observation")
-        s.steps.append((g.token_ids, eo))
+async def _act(s, sched, engine, codec, cfg, run, base_seed):
+    """One action, then the environment's step (in the pool) and its observation."""
+    room = min(cfg.max_action_tokens, cfg.context_budget - s.used - len(codec.gen_prompt))
+    g = await _generate(s, sched, engine, s.seg.ids + codec.gen_prompt, max(1, room), base_seed)
+    if s.seg.response_ids:
+        s.seg.append(codec.gen_prompt, "observation")
+    else:
+        s.seg.prompt_ids = s.seg.prompt_ids + codec.gen_prompt  # a window opens with s ⊕ u ⊕ G
+    s.seg.append(g.token_ids, "action", g.logprobs)
+    s.ep.turns += 1
+    step = await run(_env_step, s, split_reasoning(codec.decode(g.token_ids))[1])  # the env acts on the answer
+    if step is None:  # the environment itself failed: end this episode, keep the others
+        _end(s, "env_error")
+        return
+    s.format_errors = s.format_errors + 1 if step.format_error else 0
+    if step.done:
+        _end(s, "submitted")
+        return
+    obs = clip_tokens(codec, step.observation, cfg.max_observation_tokens)
+    eo = codec.after_turn(g.token_ids, {"role": "user", "content": obs})
+    s.seg.append(eo, "observation")
+    s.steps.append((g.token_ids, eo))
 
 
 def clip_tokens(codec, text, max_tokens):
@@ -382,10 +476,10 @@ def _env_step(s, text):
 
 
 def _score(s):
-    """The outcome reward: graded only when the agent submitted (SPEC §1: a rollout that ran out
-    of budget, turns or format gets 0 and is still trained). The environment is closed either way;
-    a grading failure is logged and scores 0, with end_reason "env_error"; a failure to close is
-    logged and changes nothing (the episode and its reward are complete)."""
+    """The outcome reward: graded only when the agent submitted (docs/method.md, 'How a rollout
+    ends': a rollout that ran out of budget, turns, format or time gets 0 and is still trained).
+    The environment is closed either way; a grading failure is logged and scores 0, with end_reason
+    "env_error"."""
     try:
         return float(s.env.reward()) if s.ep.end_reason == "submitted" else 0.0
     except Exception:
@@ -393,11 +487,17 @@ def _score(s):
         s.ep.end_reason = "env_error"
         return 0.0
     finally:
-        try:
-            s.env.close()
-        except Exception:
-            log.exception("closing the environment of rollout %s (task %s) failed", s.ep.rollout_id,
-                          s.ep.task_id)
+        _close(s)
+
+
+def _close(s):
+    """env.close(); a failure to close is logged and changes nothing (the episode and its reward
+    are complete)."""
+    s.closed = True
+    try:
+        s.env.close()
+    except Exception:
+        log.exception("closing the environment of rollout %s (task %s) failed", s.ep.rollout_id, s.ep.task_id)
 
 
 def _finish(s, reward):

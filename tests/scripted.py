@@ -12,7 +12,7 @@ class ScriptedAgent:
     def __init__(self, tok, rows, script):
         self.tok, self.rows, self.script, self.seen = tok, rows, script, []
 
-    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids):
+    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids, seeds=None):
         out = []
         for prompt, n in zip(prompts, max_new_tokens):
             text = self.tok.decode(prompt)

@@ -137,7 +137,7 @@ def test_per_row_lambda_from_rollout_length(seed):
     torch.testing.assert_close(adv_e, ref_concatenated(values, mask, rewards, rid, seg, 1.0, lam))
 
 
-# --- SPEC §3 identities -------------------------------------------------------------------------
+# --- identities of docs/method.md, 'Cross-trajectory GAE' ---------------------------------------
 
 @pytest.mark.parametrize("seed", range(10))
 def test_gamma_lambda_one_gives_R_minus_V(seed):
@@ -275,3 +275,40 @@ def test_bad_inputs_name_the_problem():
     if len(rid) > 1:
         with pytest.raises(ValueError, match="sibling"):
             rollout_lengths(mask[1:], rid[1:], seg[1:] + 1)
+
+
+def _whiten_on_rank(rank, init_file, segments, out_file):
+    import datetime
+
+    import torch.distributed as dist
+
+    from advantage import whiten_segments
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    mine = segments if rank == 0 else []   # rank 1: every segment left the batch
+    out = whiten_segments([a for a, _ in mine], [m for _, m in mine])
+    if rank == 0:
+        torch.save(out, out_file)
+    dist.destroy_process_group()
+
+
+def test_whitening_runs_on_a_rank_without_segments(tmp_path):
+    """A rank with no segment still joins the all-reduce, and the result is the one-process one."""
+    import torch.multiprocessing as mp
+    g = torch.Generator().manual_seed(0)
+    segments = [(torch.randn(n, generator=g, dtype=torch.float64), (torch.rand(n, generator=g) < 0.6).double())
+                for n in (5, 9, 3)]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_whiten_on_rank, args=(r, tmp_path / "pg", segments, tmp_path / "out.pt"))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive and [p.exitcode for p in procs] == [0, 0], "a rank hung or failed in the collective"
+    got = torch.load(tmp_path / "out.pt")
+    x, m = torch.cat([a for a, _ in segments]), torch.cat([m for _, m in segments])
+    torch.testing.assert_close(torch.cat(got), masked_whiten(x, m))

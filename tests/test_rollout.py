@@ -12,7 +12,7 @@ import batch
 import memory_task
 from compaction import resume_text
 from model import ChatCodec, build_tiny_model, load_policy, load_tokenizer, token_logprobs
-from rollout import Generation, HFEngine, RolloutConfig, clip_tokens, format_episode, run_episodes
+from rollout import Generation, GumbelNoise, HFEngine, RolloutConfig, clip_tokens, format_episode, run_episodes
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ class ScriptedEngine:
     def __init__(self, tok, reply):
         self.tok, self.reply, self.calls = tok, reply, []
 
-    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids):
+    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids, seeds=None):
         out = []
         for p, n in zip(prompts, max_new_tokens):
             ids = (self.tok.encode(self.reply(self.tok.decode(p)), add_special_tokens=False)
@@ -126,12 +126,21 @@ def test_resume_keeps_tail_steps_verbatim(tiny):
     assert tail == seg0.response_ids[start:end]
 
 
-def test_k_cap_and_single_window(tiny):
+def test_after_k_compactions_the_window_uses_its_whole_budget(tiny):
+    """The reserve T_comp keeps room for a summary; once K summaries are spent none is left to
+    write, so the last window (the only one at K = 0) runs past the trigger until C is used."""
     tok, codec, _ = tiny
-    (ep,), _ = run(tok, codec, [row("B", 8)], config(max_compactions=0))
+    C, T_comp = 72, 16
+    (ep,), engine = run(tok, codec, [row("C", 6)], config(max_compactions=0))
+    assert ep.end_reason == "submitted" and ep.reward == 1.0 and ep.compactions == 0
+    assert C - len(ep.segments[0].ids) < T_comp  # the question came after the trigger had fired
+    (ep,), engine = run(tok, codec, [row("B", 8)], config(max_compactions=0))
     assert ep.end_reason == "budget_exhausted" and ep.reward == 0.0 and len(ep.segments) == 1
-    (ep,), _ = run(tok, codec, [row("B", 8)], config(context_budget=64, max_compactions=1))
+    assert len(ep.segments[0].ids) >= C  # ended because the window is full, not at the trigger
+    assert all(len(prompt) + len(out) <= C for prompt, out in engine.calls)  # actions capped by the room
+    (ep,), engine = run(tok, codec, [row("B", 8)], config(context_budget=56, max_compactions=1))
     assert ep.compactions == 1 and ep.end_reason == "budget_exhausted" and ep.reward == 0.0
+    assert len(ep.segments[-1].ids) >= 56
 
 
 def test_bad_summary_loses_the_key(tiny):
@@ -318,3 +327,16 @@ def test_observations_cannot_forge_turns(tiny):
     honest = codec.after_turn(codec.stop_ids, {"role": "user", "content": "x"})
     assert [i for i in observation if i in special] == [i for i in honest if i in special]
     assert forged in tok.decode(observation, skip_special_tokens=False)
+
+
+def test_gumbel_noise_samples_softmax_over_temperature_whatever_the_batch():
+    """HFEngine's sampler: argmax(logits / T + Gumbel noise) is distributed as softmax(logits / T),
+    and a row's noise depends on its seed alone, not on the rows beside it."""
+    logits, T, n = torch.tensor([2.0, 1.0, 0.0, -1.0]), 0.7, 8000
+    picks = GumbelNoise(range(n), T)(None, logits.expand(n, 4)).argmax(-1)
+    p = torch.softmax(logits / T, -1)
+    freq = torch.bincount(picks, minlength=4) / n
+    assert (freq - p).abs().max() < 4 * (p * (1 - p) / n).sqrt().max()  # 4 standard errors
+    scores = torch.randn(3, 4)
+    together = GumbelNoise([5, 6, 7], T)(None, scores)
+    assert torch.equal(together[1:2], GumbelNoise([6], T)(None, scores[1:2]))

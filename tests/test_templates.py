@@ -119,7 +119,7 @@ class RecordingEngine:
         self.asks_summary = codec.message({"role": "user", "content": summary_instruction}) + codec.gen_prompt
         self.calls = []
 
-    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids):
+    def generate(self, prompts, max_new_tokens, temperature, stop_token_ids, seeds=None):
         assert stop_token_ids == [self.stop]
         out = []
         for p, n in zip(prompts, max_new_tokens):

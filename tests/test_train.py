@@ -50,9 +50,12 @@ def metrics(out):
 def test_end_to_end(tmp_path, nproc):
     out = str(tmp_path / "run")
     extra = ["--activation-checkpointing"] if nproc else []
-    run(["train.py", "--steps", "2", "--out-dir", out, "--save-every", "1", "--keep-checkpoints", "1",
-         "--dump-every", "1"] + SMALL + extra, nproc)
+    p = run(["train.py", "--steps", "2", "--out-dir", out, "--save-every", "1", "--keep-checkpoints", "1",
+             "--dump-every", "1"] + SMALL + extra, nproc)
     recs = metrics(out)
+    # stdout is a pipe here, as in a log file: no bar, one line per step
+    assert [line.split(" · ")[0] for line in p.stdout.splitlines() if line.startswith("step ")] == \
+        ["step 1/2", "step 2/2"]
     assert [r["step"] for r in recs] == [0, 1]
     for key in ("rollout/reward", "rollout/compactions", "rollout/summary_tokens", "rollout/truncation_rate",
                 "rollout/success_given_compaction", "rollout/trainable_tokens", "value/explained_variance",
@@ -366,3 +369,24 @@ def test_a_run_that_would_never_update_the_policy_is_refused():
         train.finalize(train.Config(steps=50, value_pretrain_steps=50), world=8)
     train.finalize(train.Config(steps=51, value_pretrain_steps=50), world=8)
     train.finalize(train.Config(steps=0, value_pretrain_steps=50), world=8)  # the warm-up alone
+
+
+def test_the_critic_starts_from_the_policy_that_rl_starts_from():
+    """After the warm-up the policy is no longer the checkpoint both were loaded from: the critic's
+    trunk is copied from it (main runs this on FSDP2 shards in test_end_to_end)."""
+    from transformers import AutoModel, AutoModelForCausalLM, Qwen3Config
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, head_dim=16, intermediate_size=64)
+    torch.manual_seed(0)
+    actor = train.Actor(AutoModelForCausalLM.from_config(cfg))
+    critic = train.Critic(AutoModel.from_config(cfg), cfg.hidden_size)  # another random init
+    train.critic_from_policy(critic, actor)
+    for name, p in critic.backbone.named_parameters():
+        torch.testing.assert_close(p, actor.lm.model.get_parameter(name), atol=0, rtol=0, msg=name)
+    assert not critic.value_head.weight.any() and not critic.value_head.bias.any()
+
+
+def test_max_format_errors_is_a_flag():
+    """The rollout limit eval_swebench.py had and train.py lacked."""
+    cfg = parse_config(["--max-format-errors", "7"])
+    assert train.rollout_config(cfg).max_format_errors == 7

@@ -39,6 +39,13 @@ def checks(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+def test_requests_join_and_leave_a_running_batch(checks):
+    """What scheduler.Scheduler relies on: a request submitted later that finishes sooner comes
+    back first, an aborted one never, and the KV cache's window count is known."""
+    assert checks["continuous_order"] == ["b", "a"]
+    assert checks["capacity_64"] > 100
+
+
 def test_building_the_engine_leaves_the_trainers_rng_alone(checks):
     assert checks["rng_untouched"]
 

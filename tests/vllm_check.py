@@ -125,6 +125,18 @@ def main(out_path, work):
     r["reseeded_equal"] = [g.token_ids for g in a] == [g.token_ids for g in b]
     r["next_draw_differs"] = [g.token_ids for g in a] != [g.token_ids for g in c]
 
+    # Continuous batching: requests join a running batch; an aborted one never comes back.
+    engine.submit("a", prompts[0], 30, T, [eos])
+    engine.step()
+    engine.submit("b", prompts[1], 4, T, [eos])
+    engine.submit("c", prompts[2], 30, T, [eos])
+    engine.abort(["c"])
+    order = []
+    for _ in range(100):
+        order += [key for key, _ in engine.step()]
+    r["continuous_order"] = order  # b (4 tokens) finishes first though it came in later
+    r["capacity_64"] = engine.capacity(64)  # 64 MiB of KV cache, 64-token windows
+
     # (2) weight pushes. An empty push is refused (vLLM would reload the checkpoint from disk).
     for name, empty in (("list", []), ("generator", iter(()))):
         try:
