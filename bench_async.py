@@ -1,7 +1,8 @@
 """Asynchronous against lockstep rollouts when environment commands are slow and heavy-tailed.
 
     OMP_NUM_THREADS=1 python bench_async.py                  # vLLM when installed, else HF
-    OMP_NUM_THREADS=1 python bench_async.py --engines hf --episodes 64 --turns 6 --mean-action 32 --max-action-tokens 96
+    OMP_NUM_THREADS=1 python bench_async.py --engines hf --episodes 64 --turns 6 \
+        --mean-action 32 --max-action-tokens 96 --context-budget 3072   # HF's batch generate is slower
 
 Scripted environments (`LatencyEnv`) stand in for sandboxes: each command takes a log-normal
 time (median `latency_median`, 99th percentile `latency_p99`), drawn from the episode's own seed so
