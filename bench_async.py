@@ -1,7 +1,8 @@
 """Asynchronous against lockstep rollouts when environment commands are slow and heavy-tailed.
 
     OMP_NUM_THREADS=1 python bench_async.py                  # vLLM when installed, else HF
-    OMP_NUM_THREADS=1 python bench_async.py --engines hf,vllm --episodes 96
+    OMP_NUM_THREADS=1 python bench_async.py --engines hf --episodes 64 --turns 6 \
+        --mean-action 32 --max-action-tokens 96 --context-budget 3072   # HF's batch generate is slower
 
 Scripted environments (`LatencyEnv`) stand in for sandboxes: each command takes a log-normal
 time (median `latency_median`, 99th percentile `latency_p99`), drawn from the episode's own seed so
@@ -18,7 +19,11 @@ Sizing: the work offered must exceed what the engine can serve, or no loop can k
 The script prints both: offered = episodes × mean tokens per turn ÷ mean command time (the rate at
 which episodes would ask if the engine answered at once), and served = the engine's tokens per
 second in the zero-latency async run (its throughput with every episode ready); offered ÷ served
-should be well above 1. `--episodes` is the lever.
+should stay above 1 (`--episodes`, `--mean-action`). The goals set the other sizes (docs/rollouts.md
+works them out): lockstep idles for each turn's slowest command, the asynchronous loop only for
+the last episodes' final commands, so the defaults run many turns (`--turns`) of short actions
+(`--mean-action`, `--max-action-tokens`): enough generation in all to dwarf that final wait, little
+per turn against a turn's slowest command.
 """
 import os
 
@@ -42,21 +47,23 @@ from rollout import HFEngine, RolloutConfig, run_episodes  # noqa: E402
 class Config:
     engines: str = ""
     """Comma-separated engines (hf, vllm); empty = vllm when installed, else hf."""
-    episodes: int = 128
+    episodes: int = 64
     """Episodes per run: enough that the work offered exceeds what the engine serves (see above)."""
-    turns: int = 12
-    """Commands per episode before it submits."""
+    turns: int = 36
+    """Commands per episode before it submits: lockstep pays each turn's slowest command, so the
+    speed-up grows with the turns (see the sizing above)."""
     latency_median: float = 0.5
     """Median command time, seconds."""
     latency_p99: float = 10.0
     """99th percentile of the command time, seconds (the log-normal's tail)."""
     command_timeout: float = 60.0
     """Commands are cut at this many seconds, as SWEEnv's are (train.py's --command-timeout)."""
-    mean_action: int = 64
-    """Mean action length, tokens (stop ids cover 1 / mean_action of the vocabulary)."""
-    max_action_tokens: int = 192
+    mean_action: int = 40
+    """Mean action length, tokens (stop ids cover 1 / mean_action of the vocabulary): a turn's
+    generation short against a turn's slowest command (see the sizing above)."""
+    max_action_tokens: int = 120
     """Cap on one action, tokens."""
-    context_budget: int = 3072
+    context_budget: int = 6144
     """C: room for every turn at its cap, so the benchmark measures scheduling, not compaction."""
     hidden_size: int = 256
     """Width of the benchmark's random model: big enough that generation, not Python, is the
