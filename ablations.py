@@ -157,7 +157,7 @@ def evaluate(model_path, seed, n, extra=()):
     train.py flags the policy was trained with (Config.extra), so the tasks match its training."""
     import torch
     from model import ChatCodec, load_tokenizer
-    from rollout import make_engine
+    from engine import make_engine
     torch.set_num_threads(1)
     tok = load_tokenizer(model_path)
     engine, codec = make_engine("hf", model_path, tok.pad_token_id, torch.device("cpu")), ChatCodec(tok)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import fsdp
 import memory_plan
 import train
-from rollout import HFEngine
+from engine import HFEngine
 
 
 @dataclass

@@ -33,6 +33,7 @@ learned it by RL alone, credited through the GAE across the compaction boundary.
 import random
 import re
 
+from engine import Generation
 from env import Step
 
 SYSTEM = "Remember the key."
@@ -148,7 +149,6 @@ class WarmupDemoEngine:
         return "ok"
 
     def generate(self, prompts, max_new_tokens, temperature, stop_token_ids, seeds=None):
-        from rollout import Generation
         out = []
         for i, (p, n) in enumerate(zip(prompts, max_new_tokens)):
             # each request's pick from its own seed: the demos do not depend on completion order

@@ -5,7 +5,7 @@ runs on the same asyncio loop and gives the engines whatever is pending:
 * an engine with `step` (vllm_engine.VLLMEngine) batches continuously: a request is submitted as
   soon as it comes, joins the running batch at the engine's next step, and returns the moment it
   finishes;
-* an engine with only `generate` (rollout.HFEngine, scripted engines) gets the pending requests
+* an engine with only `generate` (engine.HFEngine, scripted engines) gets the pending requests
   as one call. The call starts once every live episode has a request in, or once the oldest
   request has waited GATHER times the last call's duration: when commands are quick the whole
   batch gathers (as few calls as a lockstep loop makes); when some are slow, the others do not

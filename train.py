@@ -46,7 +46,8 @@ from metrics import (Logger, explained_variance, merge_sums, plot_curve, reduce_
                      segment_share_metrics, step_line, timed)
 from model import (PACKED_ATTENTION, Actor, ChatCodec, Critic, build_tiny_model, export_pretrained, hf_config,
                    load_tokenizer)
-from rollout import RolloutConfig, format_episode, make_engine, run_episodes
+from engine import make_engine
+from rollout import RolloutConfig, format_episode, run_episodes
 
 
 # --- (0) set-up ---------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The vLLM rollout engine, colocated with FSDP2 training: one engine per training rank, inside
 the rank's own process, built once for the whole job, new weights pushed after every update.
-Behind the same interface as rollout.HFEngine.
+Behind the same interface as engine.HFEngine.
 
     engine = VLLMEngine(model_path, max_model_len=..., seed=cfg.seed + rank, kv_cache_bytes=...)
     every step:  engine.wake_up(); run_episodes(engine, ...); engine.sleep()
@@ -63,7 +63,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rollout import Engine, Generation
+from engine import Engine, Generation
 
 
 class VLLMEngine(Engine):

@@ -2,7 +2,7 @@
 an episode is known in advance (the gold patch applied, or nothing) and only the environment,
 the sandboxes and the grading are under test."""
 from env import SUBMIT_SENTINEL
-from rollout import Generation
+from engine import Generation
 
 
 class ScriptedAgent:

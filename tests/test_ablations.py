@@ -13,7 +13,7 @@ import torch
 import ablations
 import report
 from model import ChatCodec, load_tokenizer
-from rollout import make_engine
+from engine import make_engine
 
 
 def test_updates_to_uses_a_trailing_mean():

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import batch
 from model import (PACKED_ATTENTION, Actor, ChatCodec, Critic, LogProbHead, build_tiny_model, export_pretrained,
                    hf_config, load_critic, load_policy, load_tokenizer, token_logprobs)
-from rollout import HFEngine
+from engine import HFEngine
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 

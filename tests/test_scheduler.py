@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import memory_task
-from rollout import HFEngine, run_episodes
+from engine import HFEngine
+from rollout import run_episodes
 from test_rollout import ScriptedEngine, config, memory_reply, row, tiny  # noqa: F401 (fixture)
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from env import Step, parse_action, split_reasoning
 from model import ChatCodec
-from rollout import Generation, RolloutConfig, run_episodes
+from engine import Generation
+from rollout import RolloutConfig, run_episodes
 from tests.chat_families import FAMILIES, VARIANTS, family_tokenizer
 
 SYSTEM, TASK = "You are a careful engineer.", "Fix the failing test in src/utils.py."
