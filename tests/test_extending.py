@@ -129,6 +129,7 @@ def test_registration_lines_match_the_code():
     with open(os.path.join(ROOT, "loss.py"), encoding="utf-8") as f:
         loss_py = f.read()
     assert 'task: Literal["memory", "swe"] = "memory"' in config_py
+    assert 'preset: Literal["memory", "swe", "swe-paper"] = "memory"' in config_py and "PRESETS = {\n" in config_py
     assert '    if cfg.task == "memory":\n' in train_py and "make = memory_task.MemoryEnv" in train_py
     assert 'elif cfg.estimator == "N":' in train_py
     assert 'NORMALIZERS = ("token", "segment", "rollout")' in loss_py
