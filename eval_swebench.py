@@ -61,8 +61,8 @@ from tqdm import tqdm
 
 import report
 import swe_task
-from model import ChatCodec, build_tiny_model, load_tokenizer
 from engine import make_engine
+from model import ChatCodec, build_tiny_model, load_tokenizer
 from rollout import RolloutConfig, format_episode, run_episodes
 from rundir import ensure_tiny_model
 from sandbox import DiffError, check_docker_images, check_isolation

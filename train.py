@@ -41,12 +41,12 @@ from advantage import (adaptive_lambda, concatenated_gae, correction_factor, cro
 from batch import assign_groups, micro_batches, minibatch_indices, pack_micro_batches, pad, to_rows, unpack
 from compaction import SUMMARY_INSTRUCTION
 from config import Config, finalize, parse_config
+from engine import make_engine
 from loss import finalize_metrics, normalizer_weights, ppo_policy_loss, value_loss
 from metrics import (Logger, explained_variance, merge_sums, plot_curve, reduce_sums, rollout_metrics,
                      segment_share_metrics, step_line, timed)
 from model import (PACKED_ATTENTION, Actor, ChatCodec, Critic, build_tiny_model, export_pretrained, hf_config,
                    load_tokenizer)
-from engine import make_engine
 from rollout import RolloutConfig, format_episode, run_episodes
 
 
