@@ -6,6 +6,7 @@
     python ablations.py --report-only    # table and figure of the runs finished so far
     python ablations.py --seeds 2 --first-seed 2   # add seeds 2 and 3 to a grid (or split it over machines)
     python ablations.py --report-only --merge other/curves.json   # report two such grids as one
+    python ablations.py --paired --seeds 20   # the paper's contrasts (PAIRS), 20 paired seeds, bootstrap CIs
 
 Every run is `python train.py <flags>` in its own process (one thread), so each variant uses the
 trainer's own functions, loss and estimators — there is no separate toy trainer. Per seed, one
@@ -67,6 +68,12 @@ VARIANTS = {
     "lambda=segment": (("lambda",), ["--lam-mode", "segment"]),
 }
 QUICK = ("base", "summaries=frozen")  # does the summary have to be learned? and test-time K
+# The paper's three contrasts, as (label, A, B). Per seed, A and B continue from the same warm-up
+# and see the same tasks, so A − B is a paired difference; its mean over seeds gets a bootstrap CI.
+PAIRS = (("summaries: trained − frozen", "base", "summaries=frozen"),
+         ("estimator, short task: P − N", "base", "estimator=N"),
+         ("estimator, long task: P − N", "long/estimator=P", "long/estimator=N"),
+         ("normalizer: token − segment", "base", "normalizer=segment"))
 EVAL_K = (0, 1, 2, 3, 4)
 EVAL_TASKS = {"short": 6, "long": 12}  # distractors at train.py's C: the training task (1 compaction) and one needing 2
 
@@ -77,6 +84,9 @@ class Config:
     """Where runs, curves.json, table.md and ablations.png go."""
     quick: bool = False
     """The quick subset: variants in QUICK, 2 seeds."""
+    paired: bool = False
+    """The variants of PAIRS only (give --seeds 20 or more): a table of paired differences with
+    bootstrap confidence intervals, paired.md."""
     seeds: int = 5
     """Seeds per variant (the quick subset uses 2)."""
     first_seed: int = 0
@@ -96,6 +106,8 @@ class Config:
     """Runs at once, one CPU thread each."""
     eval_rollouts: int = 256
     """Rollouts per K in the test-time compaction panel."""
+    eval_seeds: int = 5
+    """Test-time K is evaluated for base's first eval_seeds finished seeds (each costs 10 × eval_rollouts episodes)."""
     extra: str = ""
     """More train.py flags for every run, e.g. "--tiny-hidden 64" (space-separated)."""
     report_only: bool = False
@@ -239,19 +251,55 @@ def figure(curves, evals, names, path):
     fig.savefig(path, dpi=110)
 
 
-def results(root, names, seeds, eval_rollouts, extra=()):
+def results(root, names, seeds, eval_rollouts, extra=(), eval_seeds=5):
     """What curves.json holds: {"curves": {variant: [success per update, per seed]}, "seeds":
-    {variant: [seed]}, "test_time_k": {"<task>/K=<k>": [success per seed of base]}, "variants":
-    {variant: train.py flags}}, over the runs of `names` × `seeds` that have finished."""
+    {variant: [seed]}, "correction": {variant: [mean eq.-14 factor over the run, per seed]},
+    "test_time_k": {"<task>/K=<k>": [success per seed of base]}, "variants": {variant: train.py
+    flags}}, over the runs of `names` × `seeds` that have finished."""
     finished = {n: [s for s in seeds if os.path.exists(os.path.join(run_dir(root, n, s), "done"))] for n in names}
     names = [n for n in names if finished[n]]
     evals = {}
     if "base" in names:  # per seed, then regrouped as {"<task>/K=<k>": [success per seed]}
-        per_seed = [evaluate_run(run_dir(root, "base", s), s, eval_rollouts, extra) for s in finished["base"]]
-        evals = {key: [e[key] for e in per_seed] for key in per_seed[0]}
+        per_seed = [evaluate_run(run_dir(root, "base", s), s, eval_rollouts, extra)
+                    for s in finished["base"][:eval_seeds]]
+        evals = {key: [e[key] for e in per_seed] for key in per_seed[0]} if per_seed else {}
     return {"curves": {n: [curve(run_dir(root, n, s)) for s in finished[n]] for n in names},
             "seeds": {n: finished[n] for n in names}, "test_time_k": evals,
+            "correction": {n: [statistics.mean(curve(run_dir(root, n, s), "adv/correction")) for s in finished[n]]
+                           for n in names},
             "variants": {n: VARIANTS[n][1] for n in names}}
+
+
+def bootstrap_ci(diffs, level=0.95, resamples=10_000, seed=0):
+    """(mean, low, high): the mean of paired differences and its percentile-bootstrap interval,
+    resampling seeds with replacement."""
+    import numpy as np
+    d = np.asarray(diffs, dtype=float)
+    means = d[np.random.default_rng(seed).integers(0, len(d), (resamples, len(d)))].mean(1)
+    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return float(d.mean()), float(low), float(high)
+
+
+def paired_table(res):
+    """Markdown: for each contrast of PAIRS with both variants run on 2+ common seeds, the mean
+    paired difference A − B (success over the whole run, and final) with its 95 % bootstrap CI,
+    and the eq.-14 factor each variant logged."""
+    lines = ["| contrast | success | seeds | mean A − B | 95 % CI | reading | eq.-14 factor A / B |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for label, a, b in PAIRS:
+        if a not in res["curves"] or b not in res["curves"]:
+            continue
+        ca, cb = (dict(zip(res["seeds"][n], res["curves"][n])) for n in (a, b))
+        common = sorted(set(ca) & set(cb))
+        if len(common) < 2:
+            continue
+        fa, fb = (statistics.mean(res.get("correction", {}).get(n, [float("nan")])) for n in (a, b))
+        for what, f in (("mean over the run", statistics.mean), ("final (last 5)", lambda c: statistics.mean(c[-5:]))):
+            m, low, high = bootstrap_ci([f(ca[s]) - f(cb[s]) for s in common])
+            reading = "excludes 0" if low > 0 or high < 0 else f"|effect| ≤ {max(abs(low), abs(high)):.3f}"
+            lines.append(f"| {label} | {what} | {len(common)} | {m:+.3f} | [{low:+.3f}, {high:+.3f}] | "
+                         f"{reading} | {fa:.2f} / {fb:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def evaluate_run(out_dir, seed, n, extra=()):
@@ -271,7 +319,8 @@ def select(res, names):
     """Results `res` (as results() returns) restricted to the variants in `names`; test-time K rows
     belong to base and go with it."""
     keep = [n for n in res["curves"] if n in names]
-    out = {k: {n: res[k][n] for n in keep} for k in ("curves", "seeds", "variants") if k in res}
+    out = {k: {n: res[k][n] for n in keep if n in res[k]} for k in ("curves", "seeds", "variants", "correction")
+           if k in res}
     return {**out, "test_time_k": res["test_time_k"] if "base" in keep else {}}
 
 
@@ -283,6 +332,9 @@ def merge(a, b, where):
                          '"seeds": {variant: [seed, ...]} to it, in the order of its curves')
     out = {k: {n: list(v) for n, v in a[k].items()} for k in ("curves", "seeds", "test_time_k")}
     out["variants"] = {**b["variants"], **a["variants"]}
+    out["correction"] = {n: list(v) for n, v in a.get("correction", {}).items()}
+    for n, xs in b.get("correction", {}).items():
+        out["correction"].setdefault(n, []).extend(xs)
     for n, curves in b["curves"].items():
         twice = set(out["seeds"].get(n, [])) & set(b["seeds"][n])
         if twice:
@@ -297,7 +349,8 @@ def merge(a, b, where):
 
 
 def main(cfg):
-    names = list(cfg.variants or (QUICK if cfg.quick else VARIANTS))
+    pairs = list(dict.fromkeys(n for _, a, b in PAIRS for n in (a, b)))
+    names = list(cfg.variants or (QUICK if cfg.quick else pairs if cfg.paired else VARIANTS))
     unknown = [n for n in names if n not in VARIANTS]
     assert not unknown, f"unknown variants {unknown}; known: {list(VARIANTS)}"
     seeds = range(cfg.first_seed, cfg.first_seed + (2 if cfg.quick else cfg.seeds))
@@ -317,10 +370,11 @@ def main(cfg):
     if not cfg.report_only:
         with ThreadPoolExecutor(cfg.jobs) as pool:  # threads only wait on processes
             list(pool.map(warm_up, seeds))
-            # the long runs (≈ 1.5× the tokens) first, so the last runs to finish are short ones
-            jobs = sorted(((n, s) for n in names for s in seeds), key=lambda j: not j[0].startswith("long/"))
+            # seed by seed, so a grid stopped early holds whole seeds (pairs); within a seed the long
+            # runs (≈ 1.5× the tokens) first
+            jobs = sorted(((n, s) for n in names for s in seeds), key=lambda j: (j[1], not j[0].startswith("long/")))
             list(pool.map(rl, jobs))
-    res = results(root, names, seeds, cfg.eval_rollouts, cfg.extra.split())
+    res = results(root, names, seeds, cfg.eval_rollouts, cfg.extra.split(), cfg.eval_seeds)
     for path in cfg.merge:
         other = json.load(open(path))
         res = merge(res, select(other, names) if cfg.variants else other, path)
@@ -331,13 +385,16 @@ def main(cfg):
     md = table(curves, evals)
     with open(os.path.join(root, "table.md"), "w") as f:
         f.write(md)
+    pairs_md = paired_table(res)
+    with open(os.path.join(root, "paired.md"), "w") as f:
+        f.write(pairs_md)
     figure(curves, evals, names, os.path.join(root, "ablations.png"))
     here = {n: [(s, run_dir(root, n, s)) for s in res["seeds"].get(n, []) if os.path.isdir(run_dir(root, n, s))]
             for n in names}  # runs of a --merge grid stay where they ran: their curves are in the table only
     order = dict.fromkeys(p for v in VARIANTS.values() for p in v[0])
     panels = {p: [n for n in names if p in VARIANTS[n][0]] for p in order}
     report.write_ablation_report(root, {n: runs for n, runs in here.items() if runs}, panels, md)
-    print(md)
+    print(md + "\n" + pairs_md)
 
 
 if __name__ == "__main__":

@@ -244,7 +244,7 @@ def _limit(s, cfg):
     if not can_compact(s.ep.compactions, cfg.max_compactions):
         # K spent: no summary is left to write, so the reserve T_comp that keeps room for one
         # is the window's too; it runs on until its whole budget C is used (each action capped
-        # by the room left). Reward 0, still trained.
+        # by the room left; _act ends it when no action token fits). Reward 0, still trained.
         return "budget_exhausted" if s.used >= cfg.context_budget else ""
     if should_compact(s.used, cfg.context_budget, cfg.reserve) and not s.steps:
         return "context_overflow"  # nothing to summarize: the prompt alone is too long
@@ -286,7 +286,10 @@ async def _compact(s, sched, engine, codec, cfg, base_seed, trainable=True):
 async def _act(s, sched, engine, codec, cfg, run, base_seed):
     """One action, then the environment's step (in the pool) and its observation."""
     room = min(cfg.max_action_tokens, cfg.context_budget - s.used - len(codec.gen_prompt))
-    g = await _generate(s, sched, engine, s.seg.ids + codec.gen_prompt, max(1, room), base_seed)
+    if room < 1:  # K spent and not one action token fits: the window is full
+        _end(s, "budget_exhausted")
+        return
+    g = await _generate(s, sched, engine, s.seg.ids + codec.gen_prompt, room, base_seed)
     if s.seg.response_ids:
         s.seg.append(codec.gen_prompt, "observation")
     else:

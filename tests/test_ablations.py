@@ -22,6 +22,31 @@ def test_updates_to_uses_a_trailing_mean():
     assert ablations.updates_to([0.4] * 10, 0.5) is None
 
 
+def test_bootstrap_ci_matches_a_slow_resampling_loop():
+    import numpy as np
+    diffs = [0.1, -0.05, 0.2, 0.0, 0.15, 0.05]
+    mean, low, high = ablations.bootstrap_ci(diffs, resamples=2000, seed=3)
+    rng = np.random.default_rng(3)  # the same draws, one resample at a time
+    picks = rng.integers(0, len(diffs), (2000, len(diffs)))
+    means = sorted(sum(diffs[i] for i in row) / len(diffs) for row in picks)
+    assert mean == pytest.approx(sum(diffs) / len(diffs))
+    assert low == pytest.approx(np.quantile(means, 0.025)) and high == pytest.approx(np.quantile(means, 0.975))
+    assert low < mean < high
+    assert ablations.bootstrap_ci([0.3] * 5) == pytest.approx((0.3, 0.3, 0.3))  # no spread, no interval
+
+
+def test_paired_table_pairs_seeds_and_reads_the_interval():
+    up, flat = [0.5, 0.6, 0.7, 0.8, 0.9, 1.0], [0.5] * 6
+    res = {"curves": {"base": [up] * 4, "summaries=frozen": [flat] * 3, "estimator=N": [up] * 4},
+           "seeds": {"base": [0, 1, 2, 3], "summaries=frozen": [1, 2, 3], "estimator=N": [0, 1, 2, 3]},
+           "correction": {"base": [0.9] * 4, "summaries=frozen": [0.9] * 3, "estimator=N": [0.9] * 4}}
+    rows = [r for r in ablations.paired_table(res).splitlines() if r.startswith("| summ") or r.startswith("| esti")]
+    assert len(rows) == 4  # two contrasts (long and normalizer not run), two measures each
+    trained_vs_frozen = rows[0].split(" | ")
+    assert trained_vs_frozen[2] == "3" and trained_vs_frozen[3] == "+0.250" and trained_vs_frozen[5] == "excludes 0"
+    assert "|effect| ≤ 0.000" in rows[2] and "0.90 / 0.90" in rows[2]  # P and N identical here
+
+
 def test_an_interrupted_run_resumes_from_a_checkpoint_or_starts_over(tmp_path):
     """train.py refuses an out dir that holds a run unless told: a run killed after a checkpoint
     is resumed, one killed before it (metrics.jsonl, no checkpoint) is overwritten."""
@@ -71,6 +96,7 @@ def test_smallest_grid_writes_curves_table_and_figure(tmp_path):
     assert data["seeds"] == {"base": [0], "summaries=frozen": [0]}
     assert all(len(c) == 2 and all(0 <= x <= 1 for x in c) for cs in data["curves"].values() for c in cs)
     assert set(data["test_time_k"]) == {f"{t}/K={k}" for t in ablations.EVAL_TASKS for k in ablations.EVAL_K}
+    assert all(0 <= f <= 1 for fs in data["correction"].values() for f in fs) and data["correction"]["base"]  # eq. 14, per run
     table = (tmp_path / "table.md").read_text()
     assert "| base |" in table and "| summaries=frozen |" in table and "test-time K" in table
     assert (tmp_path / "ablations.png").stat().st_size > 0
