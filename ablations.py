@@ -181,13 +181,11 @@ def eval_episodes(engine, codec, seed, n_noise, k, n, extra=()):
     """n rollouts on fresh memory tasks with n_noise distractors and at most k compactions, under
     train.py's Config with the flags `extra`; the same episodes on every call (HFEngine samples
     from torch's global RNG, seeded here per (seed, task, k))."""
-    import dataclasses
     import torch
-    import tyro
     import train
+    from config import override, parse_config
     from rollout import run_episodes
-    cfg = dataclasses.replace(tyro.cli(train.Config, args=list(extra)), max_compactions=k,
-                              memory_p_short=0.0, memory_noise=n_noise, seed=seed)
+    cfg = override(parse_config(list(extra)), max_compactions=k, memory_p_short=0.0, memory_noise=n_noise, seed=seed)
     envs, ids = train.make_envs(cfg, step=10**6, rank=0, per_rank=n)  # steps training never reaches
     torch.manual_seed((seed * 1_000_003 + n_noise) * 1009 + k)
     return run_episodes(engine, codec, envs, train.rollout_config(cfg), list(range(n)), ids)

@@ -27,6 +27,7 @@ from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 
+import config  # noqa: E402
 import memory_task  # noqa: E402
 import train  # noqa: E402
 from model import ChatCodec, build_tiny_model, load_policy, load_tokenizer  # noqa: E402
@@ -125,7 +126,7 @@ def bench(cfg, model_path):
     codec = ChatCodec(tok)
     limits = {k: getattr(cfg, k) for k in ("context_budget", "reserve", "max_action_tokens", "max_summary_tokens")
               if getattr(cfg, k) is not None}
-    rcfg = train.rollout_config(train.Config(**limits))
+    rcfg = train.rollout_config(config.make(**limits))
     print(f"model {model_path} · {cfg.episodes} episodes · C={rcfg.context_budget} "
           f"max_action={rcfg.max_action_tokens} max_summary={rcfg.max_summary_tokens} T={rcfg.temperature} · "
           f"torch threads {torch.get_num_threads()} · load average "

@@ -48,7 +48,7 @@ def memory_rows(cfg, model_dir):
     codec = ChatCodec(load_tokenizer(model_dir))
     per_rank = finalize(cfg, 1)
     envs, task_ids = train.make_envs(cfg, 0, 0, per_rank)
-    demo = memory_task.WarmupDemoEngine(codec, cfg.memory_keys, seed=0)
+    demo = memory_task.WarmupDemoEngine(codec, cfg.task.memory_keys, seed=0)
     episodes = run_episodes(demo, codec, envs, train.rollout_config(cfg), list(range(len(envs))), task_ids)
     return batch.to_rows([s for e in episodes for s in e.segments], "trained")
 
@@ -139,7 +139,7 @@ def padding(rows, cfg, device):
     """Slots the project's micro-batches compute beyond the windows' tokens, ÷ those tokens."""
     real = sum(len(r["ids"]) for r in rows)
     slots = sum(b["input_ids"].numel() for mb, b in batch.micro_batches(rows, list(range(len(rows))),
-                                                                     cfg.micro_batch_tokens, device) if mb)
+                                                                     cfg.optim.micro_batch_tokens, device) if mb)
     return (slots - real) / real
 
 
@@ -151,7 +151,7 @@ def compare(name, rows, model_dir, cfg, device, repeats, warmup=True):
     lm, backbone, value_head = raw_models(model_dir)
     raw_opt = torch.optim.Adam(lm.parameters(), lr=1e-6, fused=True)
     rows = with_training_data(rows)
-    minibatches = batch.minibatch_indices(rows, cfg.mini_batches)
+    minibatches = batch.minibatch_indices(rows, cfg.optim.mini_batches)
     keys = ("old_logprobs", "advantages")
 
     def update():
@@ -161,8 +161,8 @@ def compare(name, rows, model_dir, cfg, device, repeats, warmup=True):
     def score():
         train.score(actor, critic, [dict(r) for r in rows], cfg, device)
 
-    runs = {"update": update, "raw update": lambda: raw_update(lm, raw_opt, rows, minibatches, cfg.micro_batch_tokens),
-            "score": score, "raw score": lambda: raw_score(lm, backbone, value_head, rows, cfg.micro_batch_tokens)}
+    runs = {"update": update, "raw update": lambda: raw_update(lm, raw_opt, rows, minibatches, cfg.optim.micro_batch_tokens),
+            "score": score, "raw score": lambda: raw_score(lm, backbone, value_head, rows, cfg.optim.micro_batch_tokens)}
     for fn in runs.values() if warmup else ():  # first calls allocate and pick kernels
         fn()
     times = {k: [] for k in runs}
@@ -211,7 +211,7 @@ def main():
                   f"padding {r['padding']:.2f}", flush=True)
     print(f"\n{repeats} interleaved repeats{'' if args.no_warmup else ' after an untimed one'}, one process, "
           f"{torch.get_num_threads()} thread(s), "
-          f"micro_batch_tokens {cfg.micro_batch_tokens}, {cfg.mini_batches} mini-batches\n")
+          f"micro_batch_tokens {cfg.optim.micro_batch_tokens}, {cfg.optim.mini_batches} mini-batches\n")
     print("| rows and model | windows | tokens | update ÷ raw, tokens/s (median) | scoring ÷ raw | "
           "padding ÷ real tokens | update tokens/s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

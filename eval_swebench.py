@@ -53,23 +53,31 @@ import subprocess
 import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 import torch
+import tyro
 from tqdm import tqdm
 
 import report
 import swe_task
 from engine import make_engine
+from config import RolloutConfig, check_rollout, max_model_len
 from model import ChatCodec, build_tiny_model, load_tokenizer
-from rollout import RolloutConfig, format_episode, run_episodes
+from rollout import format_episode, run_episodes
 from rundir import ensure_tiny_model
 from sandbox import DiffError, check_docker_images, check_isolation
 
 VERIFIED = "SWE-bench/SWE-bench_Verified"
 PREDICTION_KEYS = ("instance_id", "model_name_or_path", "model_patch")
 TINY_MODEL_NAME = "compactionrl-tiny"
+
+
+@dataclass
+class EvalRollout(RolloutConfig):
+    """The agent loop's limits (train.py's knobs; K is a list here, --max-compactions)."""
+    max_compactions: tyro.conf.Suppress[int] = 3
 
 
 @dataclass
@@ -83,8 +91,8 @@ class Config:
     """Rollout engine: vllm (vllm_engine.VLLMEngine) or hf (transformers generate);
     auto = vllm when it is installed and a GPU is present, else hf."""
     max_model_len: int = 0
-    """vLLM's longest context (prompt + generation), tokens; 0 = the model's own. Leave room past C: the
-    observation that closes a window can push it past C before its summary (q_sum + S) is written."""
+    """vLLM's longest context (prompt + generation), tokens; 0 = the longest sequence an episode can
+    reach (config.max_model_len: C, one observation past it, q_sum and the summary)."""
     kv_cache_gib: float = 0.0
     """vLLM KV-cache size, GiB. 0 = VLLMEngine's default, sized to share a device with training;
     evaluation alone can give it most of the GPU (it must hold at least one max_model_len context)."""
@@ -116,32 +124,12 @@ class Config:
     max_compactions: tuple[int, ...] = (3,)
     """K settings, each a full set of runs: 0 = one window ("×1"), 3 = up to four windows ("×4").
     Paper: 0 and 3 (--max-compactions 0 3)."""
-    temperature: float = 1.0
-    """Sampling temperature. Paper: 1.0."""
-    max_turns: int = 20
-    """Actions per episode. Paper: 250."""
-    context_budget: int = 2048
-    """C, tokens of one context window. Paper: 65536 (30B) / 81920 (106B)."""
-    reserve: int = 256
-    """T_comp: compact when C − |h| < reserve (eq. 7). Paper: 10240."""
-    max_action_tokens: int = 256
-    """Cap on one action, tokens. Paper: 10240 (= T_comp)."""
-    max_summary_tokens: int = 256
-    """Cap on one summary, tokens. Paper: 10240 (= T_comp)."""
-    keep_last: int = 2
-    """k, recent atomic steps kept verbatim after a compaction (eq. 9). Paper: 2."""
-    repeat_task: bool = True
-    """Repeat the task text in the resume message (the paper does not say; default on)."""
-    max_format_errors: int = 3
-    """Consecutive replies without exactly one command block that end an episode. Paper: not stated."""
     grade_unsubmitted: bool = False
     """Also grade the final state of episodes that ended without submitting, as Harbor does.
     Off = the training reward's rule (docs/method.md, 'How a rollout ends'): no submission, empty patch."""
     # --- sandboxes and grading ------------------------------------------------------------------
     command_timeout: float = 60.0
     """Seconds one agent command may run. Paper: not stated."""
-    episode_timeout: float = 0.0
-    """Wall-clock seconds per episode (0 = no limit). Paper: not stated."""
     eval_timeout: int = 1800
     """Seconds for one instance's tests: the harness's --timeout (its default), and local grading's."""
     pull_images: bool = False
@@ -159,14 +147,16 @@ class Config:
     """Seed of the tiny model's weights and of sampling (run r of setting K samples from a seed of (seed, K, r))."""
     out_dir: str = "runs/eval"
     """Where the runs, summary.json and the tiny model go."""
+    # --- the agent loop: the same knobs as train.py's ------------------------------------------
+    rollout: tyro.conf.OmitArgPrefixes[EvalRollout] = field(default_factory=lambda: EvalRollout(
+        context_budget=2048, reserve=256, max_action_tokens=256, max_summary_tokens=256))
 
 
 def check_config(cfg):
     assert min(cfg.runs, cfg.workers, cfg.harness_workers) >= 1, "runs, workers and harness_workers must be >= 1"
     assert cfg.max_compactions and min(cfg.max_compactions) >= 0, "max_compactions: give one or more K >= 0"
     assert len(set(cfg.max_compactions)) == len(cfg.max_compactions), "max_compactions: each K once"
-    assert 0 <= cfg.reserve < cfg.context_budget, "need 0 <= reserve < context_budget (eq. 7)"
-    assert cfg.max_action_tokens <= cfg.reserve, "max_action_tokens must fit in the reserve that eq. 7 keeps free"
+    check_rollout(cfg.rollout)
     assert not (cfg.instance_ids and cfg.n_instances), "give --instance-ids or --n-instances, not both"
 
 
@@ -475,7 +465,7 @@ def load_model(cfg):
     tokenizer = load_tokenizer(model_path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     engine = make_engine(cfg.engine, model_path, pad, "cuda" if torch.cuda.is_available() else "cpu",
-                         seed=cfg.seed, max_model_len=cfg.max_model_len or None,
+                         seed=cfg.seed, max_model_len=cfg.max_model_len or max_model_len(cfg.rollout),
                          kv_cache_bytes=int(cfg.kv_cache_gib * 2**30) if cfg.kv_cache_gib else None)
     return engine, tokenizer
 
@@ -498,17 +488,12 @@ def main(cfg, engine=None, tokenizer=None):
     if engine is None:
         engine, tokenizer = load_model(cfg)
     codec = ChatCodec(tokenizer)
-    swe_task.check_prompts_fit(rows, codec, cfg.context_budget, cfg.reserve, cfg.command_timeout)
+    swe_task.check_prompts_fit(rows, codec, cfg.rollout.context_budget, cfg.rollout.reserve, cfg.command_timeout)
     make_sandbox = swe_task.local_sandbox_factory(isolated=not cfg.allow_unisolated) if local else \
         swe_task.docker_sandbox_factory()
     results = {}
     for k in cfg.max_compactions:
-        rollout_cfg = RolloutConfig(context_budget=cfg.context_budget, reserve=cfg.reserve, max_compactions=k,
-                                    max_turns=cfg.max_turns, max_action_tokens=cfg.max_action_tokens,
-                                    max_summary_tokens=cfg.max_summary_tokens, keep_last=cfg.keep_last,
-                                    repeat_task=cfg.repeat_task, temperature=cfg.temperature,
-                                    max_format_errors=cfg.max_format_errors, max_seconds=cfg.episode_timeout,
-                                    env_workers=cfg.workers)
+        rollout_cfg = replace(cfg.rollout, max_compactions=k)
         results[k] = []
         for r in range(cfg.runs):
             run_dir = os.path.join(cfg.out_dir, f"K{k}", f"run{r}")
@@ -537,5 +522,4 @@ def main(cfg, engine=None, tokenizer=None):
 
 
 if __name__ == "__main__":
-    import tyro
     main(tyro.cli(Config))

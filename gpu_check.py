@@ -113,7 +113,7 @@ def main(cfg):
     bound = memory_plan.peaks(memory_plan.plan(shapes, setup)[0], setup)
     device = torch.cuda.get_device_name() if gpu else "CPU"
     print(f"{device}, torch {torch.__version__}; {shapes.params / 1e6:.0f}M-parameter Qwen3-shaped model, "
-          f"window {train.max_model_len(c)} tokens, bf16 {'on' if setup.mixed_precision else 'off'}, "
+          f"window {train.max_model_len(c.rollout)} tokens, bf16 {'on' if setup.mixed_precision else 'off'}, "
           f"activation checkpointing on; 3 steps in {t_run:.0f} s, the resumed step in {t_resume:.0f} s")
     print(f"{'step':<5}{'phase':<9}{'measured':>10}{'planned':>10}{'ratio':>7}{'bound':>10}   (GiB; planned at the "
           f"step's sizes, bound for the flags; " + ("allocator peaks, runtime excluded)" if gpu else
@@ -126,7 +126,7 @@ def main(cfg):
             print(f"{r['step']:<5}{p:<9}{measured / 2**30:10.2f}{planned / 2**30:10.2f}{measured / planned:7.2f}"
                   f"{limit / 2**30:10.2f}")
     for r in recs:
-        passes = c.critic_updates + (c.ppo_epochs if "time/actor" in r else 0)
+        passes = c.optim.critic_updates + (c.optim.ppo_epochs if "time/actor" in r else 0)
         seconds = r.get("time/critic", 0) + r.get("time/actor", 0)
         print(f"step {r['step']}: update {r['batch/tokens'] * passes / seconds:,.0f} tokens/s ({r['batch/tokens']:.0f} "
               f"window tokens × {passes} passes in {seconds:.1f} s); longest window {r['batch/longest_window']:.0f}; "

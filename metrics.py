@@ -8,7 +8,6 @@ import math
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -84,25 +83,26 @@ class Logger:
     """Rank 0 writes metrics.jsonl (and TensorBoard / W&B when asked); other ranks hold a
     do-nothing twin so the loop never branches on rank."""
 
-    def __init__(self, cfg, rank, start):
+    def __init__(self, out_dir, rank, start, tensorboard=False, wandb_config=None):
+        """wandb_config: the run's config, to log to Weights & Biases; None = no W&B."""
         self.on = rank == 0
-        self.path = os.path.join(cfg.out_dir, "metrics.jsonl")
+        self.path = os.path.join(out_dir, "metrics.jsonl")
         self.tb = self.wb = None
         if not self.on:
             return
-        os.makedirs(cfg.out_dir, exist_ok=True)
+        os.makedirs(out_dir, exist_ok=True)
         # keep the steps before `start`: a resumed run redoes the rest
         kept = [r for r in read_records(self.path) if r["step"] < start] if os.path.exists(self.path) else []
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:  # rewritten beside, then renamed: a kill now loses nothing
             f.writelines(json_line(r) for r in kept)
         os.replace(tmp, self.path)
-        if cfg.tensorboard:
+        if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(cfg.out_dir, "tb"))
-        if cfg.wandb:
+            self.tb = SummaryWriter(os.path.join(out_dir, "tb"))
+        if wandb_config is not None:
             import wandb
-            self.wb = wandb.init(project="compactionrl", config=asdict(cfg))
+            self.wb = wandb.init(project="compactionrl", config=wandb_config)
 
     def log(self, step, metrics):
         if not self.on:

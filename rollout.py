@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from compaction import SUMMARY_INSTRUCTION, can_compact, resume_text, select_tail, should_compact
+from compaction import can_compact, resume_text, select_tail, should_compact
+from config import max_model_len
 from env import split_reasoning
 from scheduler import Progress, Scheduler
 
@@ -104,26 +105,6 @@ class _Live:
         return len(self.seg.prompt_ids) + len(self.seg.response_ids)
 
 
-@dataclass
-class RolloutConfig:
-    """Limits of the agent loop; config.Config (train.py's knobs) documents each with its paper value."""
-    context_budget: int  # C
-    reserve: int  # T_comp
-    max_compactions: int  # K
-    max_turns: int
-    max_action_tokens: int
-    max_summary_tokens: int
-    keep_last: int = 2  # k tail steps kept verbatim
-    repeat_task: bool = True
-    temperature: float = 1.0
-    max_observation_tokens: int = 1024  # an observation longer than this is cut in the middle
-    max_format_errors: int = 3
-    max_seconds: float = 0.0  # wall time per episode, 0 = no limit
-    env_workers: int = 8  # threads starting, stepping, grading and closing environments
-    summary_instruction: str = SUMMARY_INSTRUCTION  # q_sum
-    resume_template: str = ""  # u_resume with {task} and {summary}; "" = compaction's default
-
-
 def run_episodes(engine, codec, envs, cfg, rollout_ids, task_ids, group_ids=None, summary_engine=None,
                  lockstep=False, progress=False):
     """Run one episode per environment, all concurrently. Returns [Episode], by rollout id.
@@ -137,8 +118,8 @@ def run_episodes(engine, codec, envs, cfg, rollout_ids, task_ids, group_ids=None
     progress: a bar on a terminal, else a line every 30 s (scheduler.Progress)."""
     group_ids = group_ids if group_ids is not None else rollout_ids
     states = [_Live(Episode(*a), env) for a, env in zip(zip(rollout_ids, task_ids, group_ids), envs)]
-    window = (cfg.context_budget + cfg.max_observation_tokens + cfg.max_summary_tokens
-              + len(codec.message({"role": "user", "content": cfg.summary_instruction})) + len(codec.gen_prompt))
+    window = max_model_len(cfg, glue=len(codec.message({"role": "user", "content": cfg.summary_instruction}))
+                           + len(codec.gen_prompt))
     engines = list(dict.fromkeys(e for e in (engine, summary_engine) if e is not None))
     capacities = [c for e in engines if hasattr(e, "capacity") and (c := e.capacity(window)) is not None]
     if any(c < 1 for c in capacities):
@@ -194,7 +175,7 @@ async def _run_all(engines, train_summaries, codec, states, cfg, pool, live, bas
 
 
 async def _episode(s, sched, engine, summarizer, train_summaries, codec, cfg, run, base_seed):
-    """One episode, start to end, as a sequential program; `max_seconds` is enforced while it
+    """One episode, start to end, as a sequential program; `episode_seconds` is enforced while it
     waits on the engine or its environment."""
     messages = await run(_reset, s.env)
     if isinstance(messages, Exception):
@@ -217,7 +198,7 @@ async def _episode(s, sched, engine, summarizer, train_summaries, codec, cfg, ru
         _end(s, reason)
 
     try:
-        await asyncio.wait_for(turns(), cfg.max_seconds or None)
+        await asyncio.wait_for(turns(), cfg.episode_seconds or None)
     except TimeoutError:
         _end(s, "timeout")  # the window as it stood at its last complete span
 
@@ -260,7 +241,7 @@ async def _generate(s, sched, engine, prompt, max_new_tokens, base_seed):
 
 async def _compact(s, sched, engine, codec, cfg, base_seed, trainable=True):
     """Summary (eq. 8) then resume (eq. 9). The window changes only once the summary is back, so
-    an episode stopped while it waits (max_seconds) keeps a whole window."""
+    an episode stopped while it waits (episode_seconds) keeps a whole window."""
     instr = codec.message({"role": "user", "content": cfg.summary_instruction}) + codec.gen_prompt
     g = await _generate(s, sched, engine, s.seg.ids + instr, cfg.max_summary_tokens, base_seed)
     s.seg.append(instr, "summary_instruction")

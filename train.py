@@ -26,7 +26,7 @@ cross-trajectory GAE.
 """
 import os
 import warnings
-from dataclasses import asdict
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -39,15 +39,14 @@ import rundir
 from advantage import (adaptive_lambda, concatenated_gae, correction_factor, cross_trajectory_gae,
                        group_advantage, rollout_lengths, segment_gae, whiten_segments)
 from batch import assign_groups, micro_batches, minibatch_indices, pack_micro_batches, pad, to_rows, unpack
-from compaction import SUMMARY_INSTRUCTION
-from config import Config, finalize, parse_config
+from config import GLUE_TOKENS, Config, finalize, flat, max_model_len, parse_config
 from engine import make_engine
 from loss import finalize_metrics, normalizer_weights, ppo_policy_loss, value_loss
 from metrics import (Logger, explained_variance, merge_sums, plot_curve, reduce_sums, rollout_metrics,
                      segment_share_metrics, step_line, timed)
 from model import (PACKED_ATTENTION, Actor, ChatCodec, Critic, build_tiny_model, export_pretrained, hf_config,
                    load_tokenizer)
-from rollout import RolloutConfig, format_episode, run_episodes
+from rollout import format_episode, run_episodes
 
 
 # --- (0) set-up ---------------------------------------------------------------------------------
@@ -57,8 +56,8 @@ def make_models(cfg, model_path, device, actor_only=False, save_softmax=False):
     the per-window attention model.PACKED_ATTENTION. save_softmax: the memory plan's choice for
     the log-prob head (memory_plan.choose_head)."""
     from transformers import AutoModel, AutoModelForCausalLM
-    mp = cfg.mixed_precision and device.type == "cuda"
-    hf_cfg = hf_config(model_path, cfg.rope_scaling)
+    mp = cfg.model.mixed_precision and device.type == "cuda"
+    hf_cfg = hf_config(model_path, cfg.model.rope_scaling)
     attn = {"attn_implementation": PACKED_ATTENTION}
 
     def build_actor(meta):
@@ -71,67 +70,53 @@ def make_models(cfg, model_path, device, actor_only=False, save_softmax=False):
             AutoModel.from_pretrained(model_path, config=hf_cfg, dtype=torch.float32, **attn)
         return Critic(backbone, hf_cfg.hidden_size)
 
-    actor = fsdp.load_sharded(build_actor, device, mp, cfg.activation_checkpointing, cfg.cpu_offload)
+    actor = fsdp.load_sharded(build_actor, device, mp, cfg.model.activation_checkpointing, cfg.model.cpu_offload)
     if actor_only:
         return actor
-    critic = fsdp.load_sharded(build_critic, device, mp, cfg.activation_checkpointing, cfg.cpu_offload)
+    critic = fsdp.load_sharded(build_critic, device, mp, cfg.model.activation_checkpointing, cfg.model.cpu_offload)
     return actor, critic
 
 
 def engine_for(cfg, model_path, pad_id, device, memory_fraction=None):
     """This rank's rollout engine. memory_fraction: vLLM's share of the device, from the memory
     plan (memory_plan.engine_fraction), not vLLM's default 0.9 of a device the trainer shares."""
-    return make_engine(cfg.engine, model_path, pad_id, device, seed=cfg.seed + dist.get_rank(),
-                       max_model_len=max_model_len(cfg), kv_cache_bytes=int(cfg.kv_cache_gib * 2**30),
-                       dtype="bfloat16" if cfg.mixed_precision and device.type == "cuda" else "float32",
-                       rope_scaling=cfg.rope_scaling, memory_fraction=memory_fraction)
-
-
-def max_model_len(cfg):
-    """The longest sequence the engine can see: a window may pass C by one capped observation
-    before the trigger fires (eq. 7 is checked after each step); then q_sum and the summary.
-    1024 tokens of slack cover q_sum and the chat-template glue."""
-    return cfg.context_budget + cfg.max_observation_tokens + cfg.max_summary_tokens + 1024
+    return make_engine(cfg.model.engine, model_path, pad_id, device, seed=cfg.run.seed + dist.get_rank(),
+                       max_model_len=max_model_len(cfg.rollout), kv_cache_bytes=int(cfg.model.kv_cache_gib * 2**30),
+                       dtype="bfloat16" if cfg.model.mixed_precision and device.type == "cuda" else "float32",
+                       rope_scaling=cfg.model.rope_scaling, memory_fraction=memory_fraction)
 
 
 def make_envs(cfg, step, rank, per_rank, warmup=False, swe_rows=None):
     """This rank's share of the step's tasks: group_size rollouts per task, one env each.
     Deterministic in (seed, step, rank), so the data position is the step number. `swe_rows`:
     the SWE task rows, loaded once (check_inputs)."""
-    n_tasks = per_rank // cfg.group_size
-    if cfg.task == "memory":
-        rows = memory_task.make_tasks(n_tasks, seed=(cfg.seed * 1_000_003 + step) * 1009 + rank,
-                                      n_keys=cfg.memory_keys, n_noise=cfg.memory_noise,
-                                      p_short=cfg.warmup_p_short if warmup else cfg.memory_p_short,
-                                      max_key_at=cfg.warmup_max_key_at if warmup else cfg.memory_max_key_at,
-                                      filler=cfg.memory_filler)
+    n_tasks = per_rank // cfg.optim.group_size
+    if cfg.task.name == "memory":
+        rows = memory_task.make_tasks(n_tasks, seed=(cfg.run.seed * 1_000_003 + step) * 1009 + rank,
+                                      n_keys=cfg.task.memory_keys, n_noise=cfg.task.memory_noise,
+                                      p_short=cfg.optim.warmup_p_short if warmup else cfg.task.memory_p_short,
+                                      max_key_at=cfg.optim.warmup_max_key_at if warmup else cfg.task.memory_max_key_at,
+                                      filler=cfg.task.memory_filler)
         make = memory_task.MemoryEnv
     else:
         import swe_task
-        start = (step * cfg.rollouts_per_step // cfg.group_size + rank * n_tasks)
+        start = (step * cfg.optim.rollouts_per_step // cfg.optim.group_size + rank * n_tasks)
         rows = [swe_rows[(start + i) % len(swe_rows)] for i in range(n_tasks)]
-        sandbox = swe_task.docker_sandbox_factory() if cfg.sandbox == "docker" else \
-            swe_task.local_sandbox_factory(isolated=not cfg.allow_unisolated)
-        make = lambda row: swe_task.SWEEnv(row, sandbox, command_timeout=cfg.command_timeout,  # noqa: E731
-                                           eval_timeout=cfg.eval_timeout)
-    rows = [r for r in rows for _ in range(cfg.group_size)]
+        sandbox = swe_task.docker_sandbox_factory() if cfg.task.sandbox == "docker" else \
+            swe_task.local_sandbox_factory(isolated=not cfg.task.allow_unisolated)
+        make = lambda row: swe_task.SWEEnv(row, sandbox, command_timeout=cfg.task.command_timeout,  # noqa: E731
+                                           eval_timeout=cfg.task.eval_timeout)
+    rows = [r for r in rows for _ in range(cfg.optim.group_size)]
     return [make(r) for r in rows], [r.get("task_id", r.get("instance_id")) for r in rows]
 
 
 def rollout_config(cfg):
-    """The agent loop's limits. The memory task brings its own short summary instruction and resume
+    """The agent loop's limits, with the memory task's own short summary instruction and resume
     message."""
-    memory = cfg.task == "memory"
-    return RolloutConfig(summary_instruction=memory_task.SUMMARY_INSTRUCTION if memory else SUMMARY_INSTRUCTION,
-                         resume_template=memory_task.RESUME if memory else "",
-                         context_budget=cfg.context_budget, reserve=cfg.reserve,
-                         max_compactions=cfg.max_compactions,
-                         max_turns=cfg.max_turns, max_action_tokens=cfg.max_action_tokens,
-                         max_summary_tokens=cfg.max_summary_tokens, keep_last=cfg.keep_last,
-                         max_observation_tokens=cfg.max_observation_tokens,
-                         repeat_task=cfg.repeat_task, temperature=cfg.temperature,
-                         max_format_errors=cfg.max_format_errors,
-                         env_workers=cfg.env_workers, max_seconds=cfg.episode_seconds)
+    if cfg.task.name != "memory":
+        return cfg.rollout
+    return replace(cfg.rollout, summary_instruction=memory_task.SUMMARY_INSTRUCTION,
+                   resume_template=memory_task.RESUME)
 
 
 def prepare_run(cfg, rank, world, device):
@@ -139,19 +124,20 @@ def prepare_run(cfg, rank, world, device):
     that fails on one rank raises on every rank. Returns (model path, checkpoint to resume or None,
     the SWE task rows or None, the memory plan: (Shapes, Setup, phases))."""
     swe_rows = fsdp.fail_together(lambda: check_inputs(cfg))
-    fsdp.fail_together(lambda: rundir.probe_writable(cfg.out_dir, f".write_probe_rank{rank}"))
-    fsdp.fail_together(lambda: rundir.prepare_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite), rank0_only=True)
-    ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
-    resume_from = fsdp.latest_valid_checkpoint(ckpt_root) if cfg.resume else None  # verifies the files
-    if cfg.resume and resume_from is None:
+    fsdp.fail_together(lambda: rundir.probe_writable(cfg.run.out_dir, f".write_probe_rank{rank}"))
+    fsdp.fail_together(lambda: rundir.prepare_out_dir(cfg.run.out_dir, cfg.run.resume, cfg.run.overwrite),
+                       rank0_only=True)
+    ckpt_root = os.path.join(cfg.run.out_dir, "checkpoints")
+    resume_from = fsdp.latest_valid_checkpoint(ckpt_root) if cfg.run.resume else None  # verifies the files
+    if cfg.run.resume and resume_from is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_root} to continue from; start a new "
-                                f"run without --resume (with --overwrite to replace {cfg.out_dir})")
-    model_path = cfg.model or os.path.join(cfg.out_dir, "tiny_model")
+                                f"run without --resume (with --overwrite to replace {cfg.run.out_dir})")
+    model_path = cfg.model.path or os.path.join(cfg.run.out_dir, "tiny_model")
 
     def write_run_files():
-        rundir.write_config(cfg.out_dir, asdict(cfg))
-        if not cfg.model:  # the embedded default: written by rank 0, read by all
-            rundir.ensure_tiny_model(model_path, tiny_model_args(cfg), cfg.resume, build_tiny_model)
+        rundir.write_config(cfg.run.out_dir, flat(cfg))
+        if not cfg.model.path:  # the embedded default: written by rank 0, read by all
+            rundir.ensure_tiny_model(model_path, tiny_model_args(cfg), cfg.run.resume, build_tiny_model)
     fsdp.fail_together(write_run_files, rank0_only=True)
     fsdp.fail_together(lambda: check_model(cfg, model_path))
     setup = memory_setup(cfg, world, device.type == "cuda")
@@ -162,27 +148,30 @@ def prepare_run(cfg, rank, world, device):
 def memory_setup(cfg, world, gpu):
     """memory_plan.Setup of this config on `world` ranks of a GPU (or CPU)."""
     import importlib.util
-    engine = cfg.engine if cfg.engine != "auto" else "vllm" if gpu and importlib.util.find_spec("vllm") else "hf"
-    device_bytes = int(cfg.device_memory_gib * 2**30) or \
+    engine = cfg.model.engine
+    if engine == "auto":
+        engine = "vllm" if gpu and importlib.util.find_spec("vllm") else "hf"
+    device_bytes = int(cfg.model.device_memory_gib * 2**30) or \
         memory_plan.device_bytes(gpu, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    longest = max_model_len(cfg.rollout)
     return memory_plan.Setup(
-        world=world, gpu=gpu, device_bytes=device_bytes, mixed_precision=cfg.mixed_precision and gpu,
-        engine=engine, window=memory_plan.tokens_per_micro_batch(cfg.micro_batch_tokens, max_model_len(cfg)),
-        longest=max_model_len(cfg),
-        episodes=cfg.rollouts_per_step // world, kv_cache_bytes=int(cfg.kv_cache_gib * 2**30),
-        max_new_tokens=max(cfg.max_action_tokens, cfg.max_summary_tokens),
-        activation_checkpointing=cfg.activation_checkpointing, cpu_offload=cfg.cpu_offload)
+        world=world, gpu=gpu, device_bytes=device_bytes, mixed_precision=cfg.model.mixed_precision and gpu,
+        engine=engine, window=memory_plan.tokens_per_micro_batch(cfg.optim.micro_batch_tokens, longest),
+        longest=longest,
+        episodes=cfg.optim.rollouts_per_step // world, kv_cache_bytes=int(cfg.model.kv_cache_gib * 2**30),
+        max_new_tokens=max(cfg.rollout.max_action_tokens, cfg.rollout.max_summary_tokens),
+        activation_checkpointing=cfg.model.activation_checkpointing, cpu_offload=cfg.model.cpu_offload)
 
 
 def check_memory(cfg, model_path, setup):
     """The memory plan of this run (memory_plan.py) from the model's config: raises, with the plan
     and the flags that would make it fit, when a phase does not fit the device. Returns (Shapes,
     the Setup with the log-prob head's mode chosen, {phase: {component: bytes}})."""
-    shapes = memory_plan.model_shapes(hf_config(model_path, cfg.rope_scaling))
+    shapes = memory_plan.model_shapes(hf_config(model_path, cfg.model.rope_scaling))
     setup = memory_plan.choose_head(shapes, setup)
     phases, host = memory_plan.plan(shapes, setup)
     if not memory_plan.fits(phases, setup):
-        fixes = memory_plan.remedies(shapes, setup, {"kv_cache_gib": cfg.kv_cache_gib})
+        fixes = memory_plan.remedies(shapes, setup, {"kv_cache_gib": cfg.model.kv_cache_gib})
         raise MemoryError(memory_plan.describe(shapes, setup, phases, host) + "\n" + (
             f"It fits with {' or with '.join(fixes)}." if fixes else
             "No flag of the plan makes it fit: shorten the longest window (--context-budget, --max-summary-tokens, "
@@ -194,21 +183,21 @@ def print_plan(cfg, world):
     """--plan: print the memory plan of this configuration, loading no model (the embedded tiny
     model is built in a temporary folder). Exits with status 1 when it does not fit."""
     import tempfile
-    world = cfg.plan_world or world
+    world = cfg.model.plan_world or world
     finalize(cfg, world)
-    gpu = torch.cuda.is_available() if cfg.plan_device == "auto" else cfg.plan_device == "cuda"
-    if gpu and not torch.cuda.is_available() and not cfg.device_memory_gib:
+    gpu = torch.cuda.is_available() if cfg.model.plan_device == "auto" else cfg.model.plan_device == "cuda"
+    if gpu and not torch.cuda.is_available() and not cfg.model.device_memory_gib:
         raise ValueError("--plan-device cuda without a GPU here: give its memory with --device-memory-gib")
     with tempfile.TemporaryDirectory() as tmp:
-        model_path = cfg.model or build_tiny_model(tmp, **tiny_model_args(cfg))
-        shapes = memory_plan.model_shapes(hf_config(model_path, cfg.rope_scaling))
+        model_path = cfg.model.path or build_tiny_model(tmp, **tiny_model_args(cfg))
+        shapes = memory_plan.model_shapes(hf_config(model_path, cfg.model.rope_scaling))
     setup = memory_plan.choose_head(shapes, memory_setup(cfg, world, gpu))
     phases, host = memory_plan.plan(shapes, setup)
     print(memory_plan.describe(shapes, setup, phases, host))
     if setup.engine == "vllm" and gpu:
         print(f"vLLM gpu_memory_utilization: {memory_plan.engine_fraction(shapes, setup)}")
     if not memory_plan.fits(phases, setup):
-        fixes = memory_plan.remedies(shapes, setup, {"kv_cache_gib": cfg.kv_cache_gib})
+        fixes = memory_plan.remedies(shapes, setup, {"kv_cache_gib": cfg.model.kv_cache_gib})
         print(f"It fits with {' or with '.join(fixes)}." if fixes else "No flag of the plan makes it fit.")
         return 1
     return 0
@@ -218,13 +207,13 @@ def check_model(cfg, model_path):
     """What the model must allow, checked from its config and tokenizer alone: the longest
     sequence within its positions (RoPE past its range raises in vLLM and silently degrades in
     transformers), and a chat template the codec can follow."""
-    hf = hf_config(model_path, cfg.rope_scaling)
-    need, limit = max_model_len(cfg), hf.max_position_embeddings
+    hf = hf_config(model_path, cfg.model.rope_scaling)
+    need, limit = max_model_len(cfg.rollout), hf.max_position_embeddings
     if need > limit:
-        scaling = f"YaRN {cfg.rope_scaling}" if cfg.rope_scaling else "no rope scaling"
-        raise ValueError(f"the longest sequence, {need} tokens (--context-budget {cfg.context_budget} + "
-                         f"--max-observation-tokens {cfg.max_observation_tokens} + --max-summary-tokens "
-                         f"{cfg.max_summary_tokens} + 1024), is past {model_path}'s {limit} positions "
+        scaling = f"YaRN {cfg.model.rope_scaling}" if cfg.model.rope_scaling else "no rope scaling"
+        raise ValueError(f"the longest sequence, {need} tokens (--context-budget {cfg.rollout.context_budget} + "
+                         f"--max-observation-tokens {cfg.rollout.max_observation_tokens} + --max-summary-tokens "
+                         f"{cfg.rollout.max_summary_tokens} + {GLUE_TOKENS}), is past {model_path}'s {limit} positions "
                          f"(max_position_embeddings, {scaling}): lower those flags, or extend the positions "
                          f"with --rope-scaling FACTOR ORIGINAL (YaRN; Qwen3: --rope-scaling 4 32768)")
     ChatCodec(load_tokenizer(model_path), template_kwargs(cfg))  # raises, naming what the template lacks
@@ -232,24 +221,25 @@ def check_model(cfg, model_path):
 
 def template_kwargs(cfg):
     """Variables every chat-template rendering gets; templates without them ignore them."""
-    return {"enable_thinking": cfg.thinking}
+    return {"enable_thinking": cfg.model.thinking}
 
 
 def check_inputs(cfg):
     """Flags and input files that would otherwise fail after the models load. Returns the SWE
     task rows (None for the memory task)."""
-    rundir.check_optional_packages([f for f, on in (("--tensorboard", cfg.tensorboard), ("--wandb", cfg.wandb)) if on])
-    if cfg.task != "swe":
+    asked = (("--tensorboard", cfg.log.tensorboard), ("--wandb", cfg.log.wandb))
+    rundir.check_optional_packages([flag for flag, on in asked if on])
+    if cfg.task.name != "swe":
         return None
     import swe_task
     from sandbox import check_docker_images, check_isolation
-    source = cfg.tasks or swe_task.BUILTIN_TASKS_FILE
-    rows = swe_task.load_tasks(source, cfg.tasks_split)
-    if cfg.sandbox == "docker":
-        check_docker_images(sorted({r["image"] for r in rows}), pull=cfg.pull_images)
+    source = cfg.task.tasks or swe_task.BUILTIN_TASKS_FILE
+    rows = swe_task.load_tasks(source, cfg.task.tasks_split)
+    if cfg.task.sandbox == "docker":
+        check_docker_images(sorted({r["image"] for r in rows}), pull=cfg.task.pull_images)
     else:
         swe_task.check_local_rows(rows, source)
-        if not cfg.allow_unisolated:
+        if not cfg.task.allow_unisolated:
             check_isolation()  # no agent command runs unconfined unless the user says so
     return rows
 
@@ -259,14 +249,16 @@ def check_prompts(cfg, codec, swe_rows):
     only the tokenizer: it runs before any model loads."""
     if swe_rows is not None:
         import swe_task
-        swe_task.check_prompts_fit(swe_rows, codec, cfg.context_budget, cfg.reserve, cfg.command_timeout)
+        swe_task.check_prompts_fit(swe_rows, codec, cfg.rollout.context_budget, cfg.rollout.reserve,
+                                   cfg.task.command_timeout)
 
 
 def tiny_model_args(cfg):
     """build_tiny_model's arguments for the embedded model (kept beside it: a change rebuilds it)."""
-    return {"hidden_size": cfg.tiny_hidden, "num_layers": cfg.tiny_layers, "num_heads": cfg.tiny_heads,
-            "intermediate_size": 4 * cfg.tiny_hidden, "max_positions": 8192,  # RoPE room for max_model_len(cfg)
-            "seed": cfg.seed}
+    m = cfg.model
+    return {"hidden_size": m.tiny_hidden, "num_layers": m.tiny_layers, "num_heads": m.tiny_heads,
+            "intermediate_size": 4 * m.tiny_hidden, "max_positions": 8192,  # RoPE room for max_model_len
+            "seed": cfg.run.seed}
 
 
 # --- (2) old log-probs and values ---------------------------------------------------------------
@@ -275,12 +267,12 @@ def tiny_model_args(cfg):
 def score(actor, critic, rows, cfg, device, ref=None):
     """log π_old and V_old (and log π_ref with a KL penalty) at every target position (log-probs
     only where the mask is 1, 0 elsewhere)."""
-    for mb, b in micro_batches(rows, list(range(len(rows))), cfg.micro_batch_tokens, device):
+    for mb, b in micro_batches(rows, list(range(len(rows))), cfg.optim.micro_batch_tokens, device):
         ids, pos, mask = b["input_ids"], b["position_ids"], b["mask"]
-        out = {"old_logprobs": actor(ids, pos, cfg.temperature, mask, entropy="none")[0],
+        out = {"old_logprobs": actor(ids, pos, cfg.rollout.temperature, mask, entropy="none")[0],
                "old_values": critic(ids, pos)}
         if ref is not None:
-            out["ref_logprobs"] = ref(ids, pos, cfg.temperature, mask, entropy="none")[0]
+            out["ref_logprobs"] = ref(ids, pos, cfg.rollout.temperature, mask, entropy="none")[0]
         lengths = [len(rows[i]["ids"]) for i in mb or []]
         for key, packed in out.items():
             for i, x in zip(mb or [], unpack(packed.float().cpu(), lengths)):
@@ -302,21 +294,21 @@ def advantages(rows, cfg, group_ids):
     rid = torch.tensor([r["rollout_id"] for r in rows])
     seg = torch.tensor([r["segment_index"] for r in rows])
     n_after, total = rollout_lengths(mask, rid, seg)
-    if cfg.lam_mode == "fixed":
-        lam = cfg.lam
+    if cfg.algorithm.lam_mode == "fixed":
+        lam = cfg.algorithm.lam
     else:
-        length = total if cfg.lam_mode == "rollout" else mask.sum(1)
-        lam = adaptive_lambda(length, cfg.lam_alpha)  # (B,) one λ per rollout (or per segment)
-    if cfg.estimator == "P":
-        adv, ret = cross_trajectory_gae(values, mask, rewards, n_after, cfg.gamma, lam)
-    elif cfg.estimator == "E":
-        adv, ret = concatenated_gae(values, mask, rewards, rid, seg, cfg.gamma, lam)
-    elif cfg.estimator == "N":
-        adv, ret = segment_gae(values, mask, rewards, cfg.gamma, lam)
+        length = total if cfg.algorithm.lam_mode == "rollout" else mask.sum(1)
+        lam = adaptive_lambda(length, cfg.algorithm.lam_alpha)  # (B,) one λ per rollout (or per segment)
+    if cfg.algorithm.estimator == "P":
+        adv, ret = cross_trajectory_gae(values, mask, rewards, n_after, cfg.algorithm.gamma, lam)
+    elif cfg.algorithm.estimator == "E":
+        adv, ret = concatenated_gae(values, mask, rewards, rid, seg, cfg.algorithm.gamma, lam)
+    elif cfg.algorithm.estimator == "N":
+        adv, ret = segment_gae(values, mask, rewards, cfg.algorithm.gamma, lam)
     else:
         adv = group_advantage(mask, rewards, torch.tensor(group_ids), rid)
         ret = rewards[:, None] * mask
-    if cfg.critic_target == "mc":
+    if cfg.algorithm.critic_target == "mc":
         ret = rewards[:, None] * mask
     lam_rows = torch.as_tensor(lam, dtype=torch.float64).expand(len(rows))
     for i, r in enumerate(rows):
@@ -324,7 +316,7 @@ def advantages(rows, cfg, group_ids):
         r["advantages"], r["returns"] = adv[i, :T].float(), ret[i, :T].float()
         r["lambda"], r["n_after"] = float(lam_rows[i]), int(n_after[i])  # for the report's dump
     tokens, early = mask.sum(1), (n_after > 0).double()
-    factor = correction_factor(n_after, cfg.gamma, lam_rows)  # (B,) eq. (14)
+    factor = correction_factor(n_after, cfg.algorithm.gamma, lam_rows)  # (B,) eq. (14)
     return {"lambda": float((lam_rows * tokens).sum()), "correction": float((factor * tokens * early).sum()),
             "early_tokens": float((tokens * early).sum())}
 
@@ -348,7 +340,7 @@ def optimize(module, optimizer, rows, idx, loss_fn, cfg, device, keys):
     if idx:
         m = pad([rows[i]["mask"] for i in idx])
         w, denom_local = normalizer_weights(m, torch.tensor([rows[i]["rollout_id"] for i in idx]),
-                                            cfg.normalizer)
+                                            cfg.algorithm.normalizer)
         for j, i in enumerate(idx):
             local_w[i] = w[j, :len(rows[i]["mask"])]
     denom = float(fsdp.all_reduce(denom_local))
@@ -357,12 +349,12 @@ def optimize(module, optimizer, rows, idx, loss_fn, cfg, device, keys):
     for i in idx:
         rows[i]["weights"] = local_w[i]
     sums, loss_total = {}, torch.zeros((), dtype=torch.float64)
-    for mb, b in micro_batches(rows, idx, cfg.micro_batch_tokens, device, keys + ("weights",)):
+    for mb, b in micro_batches(rows, idx, cfg.optim.micro_batch_tokens, device, keys + ("weights",)):
         loss_sum, metrics = loss_fn(module, b)
         (loss_sum / denom * world).backward()
         loss_total += loss_sum.detach().double().cpu()
         merge_sums(sums, metrics)
-    grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.grad_clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.optim.grad_clip)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     loss_total = fsdp.all_reduce(loss_total)
     finite = bool(torch.isfinite(grad_norm).item()) and bool(torch.isfinite(loss_total).item())
@@ -373,23 +365,23 @@ def optimize(module, optimizer, rows, idx, loss_fn, cfg, device, keys):
 
 
 def policy_loss_fn(cfg):
+    a = cfg.algorithm
     # the entropy enters the graph only when it is in the loss; else it is computed for the log
-    entropy = "loss" if cfg.entropy_coef else "metric"
+    entropy = "loss" if a.entropy_coef else "metric"
 
     def fn(actor, b):
-        lp, ent = actor(b["input_ids"], b["position_ids"], cfg.temperature, b["mask"], entropy)
+        lp, ent = actor(b["input_ids"], b["position_ids"], cfg.rollout.temperature, b["mask"], entropy)
         if "advantages" not in b:  # dummy micro-batch: zero loss, same collectives
             return (lp * 0).sum(), {}
         loss, metrics = ppo_policy_loss(lp, b["old_logprobs"], b["advantages"], b["mask"],
-                                        cfg.clip_low, cfg.clip_high, cfg.dual_clip or None,
-                                        token_weights=b["weights"])
+                                        a.clip_low, a.clip_high, a.dual_clip or None, token_weights=b["weights"])
         ent_sum = (ent * b["mask"] * b["weights"]).sum()
         metrics["entropy"] = (ent * b["mask"]).sum().detach()
-        loss = loss - cfg.entropy_coef * ent_sum
+        loss = loss - a.entropy_coef * ent_sum
         if "ref_logprobs" in b:  # k3: exp(r) − r − 1 with r = log π_ref − log π_θ, ≥ 0
             r = b["ref_logprobs"] - lp
             kl = ((torch.exp(r) - r - 1) * b["mask"])
-            loss = loss + cfg.kl_coef * (kl * b["weights"]).sum()
+            loss = loss + a.kl_coef * (kl * b["weights"]).sum()
             metrics["kl_ref"] = kl.sum().detach()
         return loss, metrics
     return fn
@@ -400,7 +392,7 @@ def value_loss_fn(cfg):
         v = critic(b["input_ids"], b["position_ids"])
         if "returns" not in b:
             return (v * 0).sum(), {}
-        return value_loss(v, b["old_values"], b["returns"], b["mask"], cfg.value_clip or None,
+        return value_loss(v, b["old_values"], b["returns"], b["mask"], cfg.algorithm.value_clip or None,
                           token_weights=b["weights"])
     return fn
 
@@ -436,16 +428,16 @@ def push_weights(actor, engine, device):
 def warmup(actor, cfg, codec, rank, per_rank, device, print0):
     """Supervised steps on demo episodes (memory task; see the module docstring). The episodes
     come from the real rollout loop, so the format includes compaction and resumption."""
-    demo = memory_task.WarmupDemoEngine(codec, cfg.memory_keys, seed=cfg.seed * 7919 + rank)
-    opt = adam(actor.parameters(), cfg.warmup_lr)
+    demo = memory_task.WarmupDemoEngine(codec, cfg.task.memory_keys, seed=cfg.run.seed * 7919 + rank)
+    opt = adam(actor.parameters(), cfg.optim.warmup_lr)
     n = min(per_rank, 64)
-    for w in range(cfg.warmup_steps):
-        envs, tids = make_envs(cfg, -1 - w, rank, n * cfg.group_size, warmup=True)
+    for w in range(cfg.optim.warmup_steps):
+        envs, tids = make_envs(cfg, -1 - w, rank, n * cfg.optim.group_size, warmup=True)
         eps = run_episodes(demo, codec, envs, rollout_config(cfg), list(range(len(envs))), tids)
         rows = to_rows([s for e in eps for s in e.segments], "trained")
         _, stats, _ = optimize(actor, opt, rows, list(range(len(rows))), sft_loss_fn(cfg), cfg, device, ())
-        if w % 10 == 0 or w == cfg.warmup_steps - 1:
-            print0(f"warm-up {w + 1}/{cfg.warmup_steps}: nll/token {stats.get('loss', 0):.3f}")
+        if w % 10 == 0 or w == cfg.optim.warmup_steps - 1:
+            print0(f"warm-up {w + 1}/{cfg.optim.warmup_steps}: nll/token {stats.get('loss', 0):.3f}")
 
 
 def critic_from_policy(critic, actor):
@@ -486,16 +478,16 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
     # (1) rollouts with compaction on this rank's share of tasks
     with timed(times, "rollout"), meter.phase("rollout"):
         envs, task_ids = make_envs(cfg, step, rank, per_rank, swe_rows=swe_rows)
-        first = step * cfg.rollouts_per_step + rank * per_rank
+        first = step * cfg.optim.rollouts_per_step + rank * per_rank
         rids = list(range(first, first + per_rank))
-        gids = [r // cfg.group_size for r in rids]
+        gids = [r // cfg.optim.group_size for r in rids]
         fsdp.release_cached_memory()  # the engine's KV cache wakes into what training cached
         engine.wake_up()
         episodes = run_episodes(engine, codec, envs, rollout_config(cfg), rids, task_ids, gids,
                                 summary_engine=frozen, progress=rank == 0)
         engine.sleep()
-    kept = trainable_episodes(episodes, cfg.keep_env_errors, cfg.mask_truncated)
-    rows = to_rows([s for e in kept for s in e.segments], cfg.summaries)
+    kept = trainable_episodes(episodes, cfg.task.keep_env_errors, cfg.algorithm.mask_truncated)
+    rows = to_rows([s for e in kept for s in e.segments], cfg.algorithm.summaries)
     group_of = {e.rollout_id: e.group_id for e in kept}
     for r in rows:
         r["group_id"] = group_of[r["rollout_id"]]
@@ -507,7 +499,7 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
     # (3) advantages and returns
     with timed(times, "advantage"):
         sums = advantages(rows, cfg, [r["group_id"] for r in rows]) if rows else {}
-        if cfg.whiten_advantages:  # every rank, rows or not: the statistics are global
+        if cfg.algorithm.whiten_advantages:  # every rank, rows or not: the statistics are global
             for r, a in zip(rows, whiten_segments([r["advantages"] for r in rows], [r["mask"] for r in rows])):
                 r["advantages"] = a.float()
     sums = {k: float(fsdp.all_reduce(sums.get(k, 0.0))) for k in ("lambda", "correction", "early_tokens")}
@@ -515,11 +507,11 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
     m["adv/lambda"] = sums["lambda"] / max(m["rollout/trainable_tokens"], 1)
     m["adv/correction"] = sums["correction"] / max(sums["early_tokens"], 1)
     m["policy/sampler_logprob_diff"] = float(fsdp.all_reduce(diff)) / max(m["rollout/trainable_tokens"], 1)
-    mbs = minibatch_indices(rows, cfg.mini_batches)
+    mbs = minibatch_indices(rows, cfg.optim.mini_batches)
     # (4) critic updates (value pre-training: only these for the first steps)
     skipped, crit, crit_steps = 0, [], []
     with timed(times, "critic"), meter.phase("critic"):
-        for _ in range(cfg.critic_updates):
+        for _ in range(cfg.optim.critic_updates):
             for idx in mbs:
                 sums, stats, sk = optimize(critic, opt_c, rows, idx, value_loss_fn(cfg), cfg, device,
                                            ("old_values", "returns"))
@@ -528,9 +520,9 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
                 skipped += sk
     # (5) PPO policy update, normalized by the global trainable-token count
     pol, pol_steps = [], []
-    if step >= cfg.value_pretrain_steps:
+    if step >= cfg.optim.value_pretrain_steps:
         with timed(times, "actor"), meter.phase("actor"):
-            for _ in range(cfg.ppo_epochs):
+            for _ in range(cfg.optim.ppo_epochs):
                 for idx in mbs:
                     sums, stats, sk = optimize(actor, opt_a, rows, idx, policy_loss_fn(cfg), cfg, device,
                                                ("old_logprobs", "advantages")
@@ -552,7 +544,7 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
     m.update(segment_share_metrics(rows))   # collectives: every rank, with rows or without
     m.update(explained_variance(rows))
     m["train/skipped_steps"] = skipped
-    m.update(batch_sizes(rows, mbs, cfg.micro_batch_tokens))
+    m.update(batch_sizes(rows, mbs, cfg.optim.micro_batch_tokens))
     peak = meter.take()
     worst = fsdp.all_reduce([peak.get(p, -1) for p in memory_plan.PHASES], dist.ReduceOp.MAX)
     m.update({f"memory/{p}": float(v) / 2**30 for p, v in zip(memory_plan.PHASES, worst) if v >= 0})
@@ -566,7 +558,7 @@ def main(cfg):
     rank, world, device = fsdp.init_distributed()
     import transformers
     transformers.utils.logging.disable_progress_bar()
-    if cfg.plan:
+    if cfg.model.plan:
         status = print_plan(cfg, world) if rank == 0 else 0
         fsdp.close_distributed()
         return status
@@ -580,14 +572,14 @@ def main(cfg):
     fsdp.fail_together(lambda: check_prompts(cfg, codec, swe_rows))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     meter = memory_plan.PeakMeter()  # before the models: on a CPU it measures from here
-    torch.manual_seed(cfg.seed)  # the same initial weights everywhere (only rank 0's are used)
+    torch.manual_seed(cfg.run.seed)  # the same initial weights everywhere (only rank 0's are used)
     actor, critic = make_models(cfg, model_path, device, save_softmax=setup.save_head)
     # the KL reference: a frozen copy of the policy as RL starts (after the warm-up)
-    ref = make_models(cfg, model_path, device, actor_only=True).requires_grad_(False) if cfg.kl_coef else None
-    opt_a, opt_c = adam(actor.parameters(), cfg.actor_lr), adam(critic.parameters(), cfg.critic_lr)
+    ref = make_models(cfg, model_path, device, actor_only=True).requires_grad_(False) if cfg.algorithm.kl_coef else None
+    opt_a, opt_c = adam(actor.parameters(), cfg.optim.actor_lr), adam(critic.parameters(), cfg.optim.critic_lr)
     # CRUCIAL: a different sampling seed per rank, or every rank would sample the same rollouts.
-    fsdp.set_rng_state(seeded_rng(cfg.seed + rank))
-    ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
+    fsdp.set_rng_state(seeded_rng(cfg.run.seed + rank))
+    ckpt_root = os.path.join(cfg.run.out_dir, "checkpoints")
     models = {"actor": actor, "critic": critic, **({"ref": ref} if ref is not None else {})}
     start = 0
     if resume_from:
@@ -595,53 +587,55 @@ def main(cfg):
         start = extra["step"] + 1
         fsdp.set_rng_state(extra["rng"])
         print0(f"resumed from {resume_from} at step {start}")
-    logger = Logger(cfg, rank, start)
+    logger = Logger(cfg.run.out_dir, rank, start, cfg.log.tensorboard, flat(cfg) if cfg.log.wandb else None)
     fraction = memory_plan.engine_fraction(shapes, setup) if setup.gpu and setup.engine == "vllm" else None
     engine = engine_for(cfg, model_path, pad_id, device, fraction)
-    if start == 0 and cfg.warmup_steps:
+    if start == 0 and cfg.optim.warmup_steps:
         warmup(actor, cfg, codec, rank, per_rank, device, print0)
         critic_from_policy(critic, actor)
     if start == 0 and ref is not None:
         ref.load_state_dict(actor.state_dict())
     push_weights(actor, engine, device)
     frozen = None  # the frozen-summarizer ablation: the initial policy, never updated
-    if cfg.summaries == "frozen":
+    if cfg.algorithm.summaries == "frozen":
         frozen = engine_for(cfg, model_path, pad_id, device, fraction)
         push_weights(actor, frozen, device)
-    print0(f"world {world} · {per_rank} rollouts/rank · model {model_path} · task {cfg.task} · "
-           f"estimator {cfg.estimator} · normalizer {cfg.normalizer}")
+    print0(f"world {world} · {per_rank} rollouts/rank · model {model_path} · task {cfg.task.name} · "
+           f"estimator {cfg.algorithm.estimator} · normalizer {cfg.algorithm.normalizer}")
     from tqdm import tqdm
     # disable=None: a bar on a terminal, none in a log file
-    bar = tqdm(range(start, cfg.steps), disable=True if rank != 0 else None, initial=start, total=cfg.steps)
+    bar = tqdm(range(start, cfg.optim.steps), disable=True if rank != 0 else None, initial=start, total=cfg.optim.steps)
     for step in bar:
-        frac = 1.0 - step / cfg.steps if cfg.lr_schedule == "linear" else 1.0
-        for opt, lr in ((opt_a, cfg.actor_lr), (opt_c, cfg.critic_lr)):
+        frac = 1.0 - step / cfg.optim.steps if cfg.optim.lr_schedule == "linear" else 1.0
+        for opt, lr in ((opt_a, cfg.optim.actor_lr), (opt_c, cfg.optim.critic_lr)):
             for group in opt.param_groups:
                 group["lr"] = lr * frac
         metrics, episodes, rows = train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen,
                                              codec, rank, per_rank, device, meter, swe_rows)
-        logger.log(step, {**metrics, "train/actor_lr": cfg.actor_lr * frac})
+        logger.log(step, {**metrics, "train/actor_lr": cfg.optim.actor_lr * frac})
         bar.set_postfix(reward=f"{metrics['rollout/reward']:.2f}", comp=f"{metrics['rollout/compactions']:.2f}",
                         s=f"{metrics['time/step']:.1f}")
-        if bar.disable and (step % cfg.log_every == 0 or step == cfg.steps - 1):
-            print0(step_line(step, cfg.steps, metrics), flush=True)  # no bar (a log file): a line
-        if step % cfg.dump_every == 0 or step == cfg.steps - 1:
+        if bar.disable and (step % cfg.log.log_every == 0 or step == cfg.optim.steps - 1):
+            print0(step_line(step, cfg.optim.steps, metrics), flush=True)  # no bar (a log file): a line
+        if step % cfg.log.dump_every == 0 or step == cfg.optim.steps - 1:
             sample = sorted(episodes, key=lambda e: -e.compactions)[:2] + episodes[-1:]
             sample_rows = rows_of(rows, [e.rollout_id for e in sample])
             logger.text(f"samples_step{step:05d}.txt",
                         "\n\n".join(format_episode(e, lambda ids: tokenizer.decode(ids)) for e in sample))
             if rank == 0:
-                plot_curve(logger.path, os.path.join(cfg.out_dir, "curve.png"))
-                report.dump_step(cfg.out_dir, step, sample, sample_rows, tokenizer.decode, cfg.gamma)  # and report.html
-        if cfg.export_every and (step + 1) % cfg.export_every == 0:
-            export(actor, model_path, tokenizer, os.path.join(cfg.out_dir, f"hf_step_{step}"), rank, cfg.rope_scaling)
-        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step == cfg.steps - 1:
+                plot_curve(logger.path, os.path.join(cfg.run.out_dir, "curve.png"))
+                # and report.html
+                report.dump_step(cfg.run.out_dir, step, sample, sample_rows, tokenizer.decode, cfg.algorithm.gamma)
+        if cfg.run.export_every and (step + 1) % cfg.run.export_every == 0:
+            export(actor, model_path, tokenizer, os.path.join(cfg.run.out_dir, f"hf_step_{step}"), rank,
+                   cfg.model.rope_scaling)
+        if (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0) or step == cfg.optim.steps - 1:
             fsdp.save_checkpoint(ckpt_root, step, models, {"actor": opt_a, "critic": opt_c},
-                                 {"step": step, "rng": fsdp.rng_state(), "config": asdict(cfg)},
-                                 keep=cfg.keep_checkpoints)
-    if cfg.export_hf:
-        export(actor, model_path, tokenizer, os.path.join(cfg.out_dir, "hf"), rank, cfg.rope_scaling)
-        print0(f"exported the policy to {os.path.join(cfg.out_dir, 'hf')}")
+                                 {"step": step, "rng": fsdp.rng_state(), "config": flat(cfg)},
+                                 keep=cfg.run.keep_checkpoints)
+    if cfg.run.export_hf:
+        export(actor, model_path, tokenizer, os.path.join(cfg.run.out_dir, "hf"), rank, cfg.model.rope_scaling)
+        print0(f"exported the policy to {os.path.join(cfg.run.out_dir, 'hf')}")
     dist.barrier()
     for e in (engine, frozen):
         if e is not None:

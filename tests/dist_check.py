@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import batch  # noqa: E402
 import fsdp  # noqa: E402
 import train  # noqa: E402
+from config import make  # noqa: E402
 from rollout import Segment  # noqa: E402
 
 
@@ -119,8 +120,8 @@ def gather_to_rank0(obj):
 def main(out_path, model_dir):
     rank, world, device = fsdp.init_distributed()
     # grad_clip off: the recorder must see the raw gradient, not the clipped one
-    cfg = train.Config(model=model_dir, micro_batch_tokens=48, entropy_coef=0.0, lam_mode="fixed",
-                       lam=0.9, gamma=1.0, grad_clip=1e9, activation_checkpointing=True)
+    cfg = make(model=model_dir, micro_batch_tokens=48, entropy_coef=0.0, lam_mode="fixed",
+               lam=0.9, gamma=1.0, grad_clip=1e9, activation_checkpointing=True)
     from model import load_tokenizer
     tok = load_tokenizer(model_dir)
     actor, critic = train.make_models(cfg, model_dir, device)

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fsdp  # noqa: E402
 import rundir  # noqa: E402
 import train  # noqa: E402
+from config import make  # noqa: E402
 
 
 class Pair(torch.nn.Sequential):
@@ -108,7 +109,7 @@ def start_up_checks(work, seen):
              "resume_nothing": dict(resume=True),
              "unwritable": dict(out_dir=os.path.join(a_file, "run"))}
     for name, flags in cases.items():
-        cfg = train.Config(**{"out_dir": os.path.join(work, name), "rollouts_per_step": 8, **flags})
+        cfg = make(**{"out_dir": os.path.join(work, name), "rollouts_per_step": 8, **flags})
         seen[name] = outcome(lambda: train.main(cfg))
     importlib.util.find_spec = find_spec
 

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import fields, replace
 
 import pytest
 
@@ -51,7 +52,14 @@ def gold_config(out_dir, ids, **kw):
     base = dict(instance_ids=ids, runs=1, max_compactions=(0,), max_turns=4, context_budget=4096, reserve=1024,
                 max_action_tokens=1024, max_summary_tokens=64, workers=2, eval_timeout=60, out_dir=str(out_dir),
                 allow_unisolated=not bwrap_isolates())
-    return ev.Config(**{**base, **kw})
+    return eval_config(**{**base, **kw})
+
+
+def eval_config(**values):
+    """ev.Config with knobs by their flag names: the agent loop's limits go to its rollout group."""
+    limits = {f.name for f in fields(ev.EvalRollout)} - {"max_compactions"}
+    rollout = replace(ev.Config().rollout, **{k: v for k, v in values.items() if k in limits})
+    return ev.Config(rollout=rollout, **{k: v for k, v in values.items() if k not in limits})
 
 
 # ---------------------------------------------------------------- local evaluation end to end
@@ -108,9 +116,9 @@ def test_resume_skips_instances_already_in_preds(gold_run):
 def test_tiny_model_end_to_end_both_settings(tiny, tmp_path, capsys):
     """The real HF engine and tiny model: ×1 and ×2 in one invocation; compaction can fire."""
     path, _ = tiny
-    cfg = ev.Config(model=path, instance_ids=(A, B), runs=1, max_compactions=(0, 1), max_turns=3, context_budget=1024,
-                    reserve=96, max_action_tokens=48, max_summary_tokens=32, workers=2, engine="hf",
-                    out_dir=str(tmp_path), allow_unisolated=not bwrap_isolates())
+    cfg = eval_config(model=path, instance_ids=(A, B), runs=1, max_compactions=(0, 1), max_turns=3,
+                      context_budget=1024, reserve=96, max_action_tokens=48, max_summary_tokens=32, workers=2,
+                      engine="hf", out_dir=str(tmp_path), allow_unisolated=not bwrap_isolates())
     results = ev.main(cfg)
     assert list(results) == [0, 1]
     for k, (stats,) in results.items():

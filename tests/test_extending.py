@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from engine import Generation
+from config import RolloutConfig
 from model import ChatCodec, build_tiny_model, load_policy, load_tokenizer, token_logprobs
-from rollout import RolloutConfig, run_episodes
+from rollout import run_episodes
 from test_docs import ROOT, defined_names
 
 DOC = os.path.join(ROOT, "docs", "extending.md")
@@ -128,9 +129,9 @@ def test_registration_lines_match_the_code():
         train_py = f.read()
     with open(os.path.join(ROOT, "loss.py"), encoding="utf-8") as f:
         loss_py = f.read()
-    assert 'task: Literal["memory", "swe"] = "memory"' in config_py
+    assert 'name: Annotated[Literal["memory", "swe"], tyro.conf.arg(name="task")] = "memory"' in config_py
     assert 'preset: Literal["memory", "swe", "swe-paper"] = "memory"' in config_py and "PRESETS = {\n" in config_py
-    assert '    if cfg.task == "memory":\n' in train_py and "make = memory_task.MemoryEnv" in train_py
-    assert 'elif cfg.estimator == "N":' in train_py
+    assert '    if cfg.task.name == "memory":\n' in train_py and "make = memory_task.MemoryEnv" in train_py
+    assert 'elif cfg.algorithm.estimator == "N":' in train_py
     assert 'NORMALIZERS = ("token", "segment", "rollout")' in loss_py
     assert 'engine: Literal["auto", "hf", "vllm"]' in config_py

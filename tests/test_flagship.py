@@ -10,13 +10,12 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 
 import memory_plan
 import train
-from config import parse_config
+from config import make, max_model_len, override, parse_config
 from model import build_tiny_model, hf_config
 from tests.chat_families import family_tokenizer
 from tests.test_train import ROOT
@@ -48,17 +47,17 @@ def flagship(model):
 
 def test_the_readme_command_updates_the_policy_and_fits_qwen3s_positions(qwen3_8b):
     cfg = flagship(qwen3_8b)
-    assert cfg.model == qwen3_8b and cfg.context_budget == 65536 and cfg.engine == "vllm"
+    assert cfg.model.path == qwen3_8b and cfg.rollout.context_budget == 65536 and cfg.model.engine == "vllm"
     train.finalize(cfg, world=8)  # --steps past --value-pretrain-steps
-    assert cfg.steps > cfg.value_pretrain_steps
+    assert cfg.optim.steps > cfg.optim.value_pretrain_steps
     train.check_model(cfg, qwen3_8b)  # positions (with its --rope-scaling) and the chat template
 
 
 def flagship_plan(cfg, model, **flags):
     """The memory plan of `cfg` on 8 ranks of 80 GiB GPUs: (Shapes, Setup, phases)."""
-    cfg = replace(cfg, device_memory_gib=80, **flags)
+    cfg = override(cfg, device_memory_gib=80, **flags)
     setup = train.memory_setup(cfg, 8, gpu=True)
-    shapes = memory_plan.model_shapes(hf_config(model, cfg.rope_scaling))
+    shapes = memory_plan.model_shapes(hf_config(model, cfg.model.rope_scaling))
     return shapes, setup, memory_plan.plan(shapes, setup)[0]
 
 
@@ -67,11 +66,11 @@ def test_the_readme_command_fits_8_gpus_of_80_gib(qwen3_8b):
     shapes, setup, phases = flagship_plan(cfg, qwen3_8b)
     assert setup.window == 77824 and setup.mixed_precision and setup.engine == "vllm"
     assert memory_plan.fits(phases, setup)
-    train.check_memory(replace(cfg, device_memory_gib=80), qwen3_8b, setup)
+    train.check_memory(override(cfg, device_memory_gib=80), qwen3_8b, setup)
     # what it needs: without CPU offload the update does not fit, and the plan says which flag fixes it
     _, bare, without = flagship_plan(cfg, qwen3_8b, cpu_offload=False)
     assert not memory_plan.fits(without, bare)
-    assert memory_plan.remedies(shapes, bare, {"kv_cache_gib": cfg.kv_cache_gib}) == ["--cpu-offload"]
+    assert memory_plan.remedies(shapes, bare, {"kv_cache_gib": cfg.model.kv_cache_gib}) == ["--cpu-offload"]
     with pytest.raises(MemoryError, match=r"DOES NOT FIT in .*actor(.|\n)*It fits with --cpu-offload"):
         train.check_memory(cfg, qwen3_8b, bare)
 
@@ -90,14 +89,14 @@ def test_vllm_is_sized_from_the_plan_not_from_free_memory(qwen3_8b):
 
 
 def test_the_longest_sequence_must_fit_the_models_positions(qwen3_8b):
-    cfg = train.Config(model=qwen3_8b, context_budget=65536, reserve=10240, max_action_tokens=10240,
-                       max_summary_tokens=10240)
-    assert train.max_model_len(cfg) == 77824
+    cfg = make(model=qwen3_8b, context_budget=65536, reserve=10240, max_action_tokens=10240,
+               max_summary_tokens=10240)
+    assert max_model_len(cfg.rollout) == 77824
     with pytest.raises(ValueError, match=r"77824 tokens .* past .*'s 40960 positions .*no rope scaling.*--rope-scaling"):
         train.check_model(cfg, qwen3_8b)
-    train.check_model(replace(cfg, rope_scaling=(4.0, 32768)), qwen3_8b)  # YaRN: 131072 positions
+    train.check_model(override(cfg, rope_scaling=(4.0, 32768)), qwen3_8b)  # YaRN: 131072 positions
     with pytest.raises(ValueError, match=r"past .*'s 131072 positions \(max_position_embeddings, YaRN"):
-        train.check_model(replace(cfg, rope_scaling=(4.0, 32768), context_budget=130000), qwen3_8b)
+        train.check_model(override(cfg, rope_scaling=(4.0, 32768), context_budget=130000), qwen3_8b)
 
 
 def test_train_py_stops_before_any_model_when_a_check_fails(tmp_path):

@@ -6,7 +6,8 @@ import pytest
 
 import memory_task
 from model import ChatCodec, build_tiny_model, load_tokenizer
-from rollout import RolloutConfig, run_episodes
+from config import RolloutConfig
+from rollout import run_episodes
 
 
 @pytest.fixture(scope="module")

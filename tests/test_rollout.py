@@ -13,7 +13,8 @@ import memory_task
 from compaction import resume_text
 from model import ChatCodec, build_tiny_model, load_policy, load_tokenizer, token_logprobs
 from engine import Generation, GumbelNoise, HFEngine
-from rollout import RolloutConfig, clip_tokens, format_episode, run_episodes
+from config import RolloutConfig
+from rollout import clip_tokens, format_episode, run_episodes
 
 
 @pytest.fixture(scope="module")

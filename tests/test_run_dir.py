@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -67,17 +66,14 @@ def test_overwrite_removes_only_what_train_py_writes(tmp_path):
 
 
 def test_resume_and_overwrite_together_are_refused():
-    from config import finalize
-    from train import Config
+    from config import finalize, make
     with pytest.raises(AssertionError, match="--resume .* --overwrite"):
-        finalize(Config(resume=True, overwrite=True, rollouts_per_step=8), 1)
+        finalize(make(resume=True, overwrite=True, rollouts_per_step=8), 1)
 
 
 def test_config_json_is_replaced_whole(tmp_path):
-    from dataclasses import asdict
-
-    from train import Config
-    cfg = asdict(Config(out_dir=str(tmp_path), seed=3))
+    from config import flat, make
+    cfg = flat(make(out_dir=str(tmp_path), seed=3))
     rundir.write_config(str(tmp_path), cfg)
     assert json.loads((tmp_path / "config.json").read_text()) == cfg
     rundir.write_config(str(tmp_path), {**cfg, "seed": 4})  # --resume rewrites it
@@ -172,7 +168,8 @@ def test_a_tiny_model_killed_mid_write_is_rebuilt(tmp_path):
 
 def test_the_embedded_model_records_what_it_was_built_with(tmp_path):
     import train
-    cfg = train.Config(tiny_hidden=64, seed=5)
+    from config import make
+    cfg = make(tiny_hidden=64, seed=5)
     path = rundir.ensure_tiny_model(str(tmp_path / "tiny_model"), train.tiny_model_args(cfg), False,
                                     build_tiny_model)
     assert load_policy(path).config.hidden_size == 64
@@ -199,8 +196,7 @@ def test_task_files_name_the_file_and_line(tmp_path):
 # --- metrics.jsonl ------------------------------------------------------------------------------
 
 def test_non_finite_metrics_are_written_as_null_and_read_as_nan(tmp_path):
-    cfg = SimpleNamespace(out_dir=str(tmp_path), tensorboard=False, wandb=False)
-    log = Logger(cfg, rank=0, start=0)
+    log = Logger(str(tmp_path), rank=0, start=0)
     log.log(0, {"rollout/reward": 0.5, "rollout/success_given_compaction": 0.25, "value/explained_variance": 1.0})
     log.log(1, {"rollout/reward": math.inf, "rollout/success_given_compaction": 0.5,
                 "value/explained_variance": math.nan, "train/skipped_steps": 1, "x": -math.inf})
@@ -217,20 +213,19 @@ def test_non_finite_metrics_are_written_as_null_and_read_as_nan(tmp_path):
 
 
 def test_a_line_cut_by_a_kill_does_not_block_a_restart_but_a_bad_line_elsewhere_is_an_error(tmp_path, caplog):
-    cfg = SimpleNamespace(out_dir=str(tmp_path), tensorboard=False, wandb=False)
     path = tmp_path / "metrics.jsonl"
     path.write_text(json_line({"step": 0, "a": 1.0}) + json_line({"step": 1, "a": 2.0}) + '{"step": 2, "a"')
     with caplog.at_level(logging.WARNING):
-        Logger(cfg, rank=0, start=2).log(2, {"a": 3.0})
+        Logger(str(tmp_path), rank=0, start=2).log(2, {"a": 3.0})
     assert f"{path}: dropping line 3, cut off mid-write" in caplog.text
     assert [(r["step"], r["a"]) for r in read_metrics(str(path))] == [(0, 1.0), (1, 2.0), (2, 3.0)]
     path.write_text(json_line({"step": 0}) + "{oops\n" + json_line({"step": 2}))
     with pytest.raises(ValueError, match=f"{path}, line 2, column 2: not a JSON record"):
-        Logger(cfg, rank=0, start=2)
+        Logger(str(tmp_path), rank=0, start=2)
     with pytest.raises(ValueError, match=f"{path}, line 2"):
         read_metrics(str(path))
     path.write_text(json_line({"step": 0}) + '{"step": 1}')  # complete, only its newline missing: kept
-    Logger(cfg, rank=0, start=3)
+    Logger(str(tmp_path), rank=0, start=3)
     assert [r["step"] for r in read_metrics(str(path))] == [0, 1]
 
 

@@ -101,7 +101,7 @@ def test_a_hanging_environment_times_out_alone(tiny):
     envs = [Hanging(row("A"))] + [memory_task.MemoryEnv(row(k)) for k in "BCD"]
     start = time.monotonic()
     try:
-        eps = run(ScriptedEngine(tok, memory_reply), codec, envs, config(max_seconds=1.0))
+        eps = run(ScriptedEngine(tok, memory_reply), codec, envs, config(episode_seconds=1.0))
     finally:
         release.set()
     assert time.monotonic() - start < 10

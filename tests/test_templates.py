@@ -12,7 +12,8 @@ import pytest
 from env import Step, parse_action, split_reasoning
 from model import ChatCodec
 from engine import Generation
-from rollout import RolloutConfig, run_episodes
+from config import RolloutConfig
+from rollout import run_episodes
 from tests.chat_families import FAMILIES, VARIANTS, family_tokenizer
 
 SYSTEM, TASK = "You are a careful engineer.", "Fix the failing test in src/utils.py."

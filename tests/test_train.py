@@ -20,7 +20,7 @@ from advantage import cross_trajectory_gae, rollout_lengths
 from loss import ppo_policy_loss
 from metrics import read_metrics
 from model import build_tiny_model, load_policy, load_tokenizer, token_logprobs
-from config import PRESETS, finalize, parse_config
+from config import PRESETS, finalize, flat, make, override, parse_config
 from conftest import bwrap_isolates, require_docker_images
 from model import ChatCodec
 from rollout import run_episodes
@@ -63,7 +63,7 @@ def test_end_to_end(tmp_path, nproc):
         assert key in recs[-1], key
     assert "policy/clipfrac" in recs[1] and "policy/approx_kl" in recs[1]  # step 1: first policy update
     assert "policy/clipfrac" not in recs[0]  # step 0: value pre-training only
-    lr = train.Config.actor_lr
+    lr = train.Config().optim.actor_lr
     assert [r["train/actor_lr"] for r in recs] == [lr, lr / 2]  # linear decay to 0 over --steps 2
     assert recs[1]["policy/sampler_logprob_diff"] < 1e-4  # the trainer sees what the sampler saw
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step_00000001"]  # keep = 1
@@ -71,7 +71,7 @@ def test_end_to_end(tmp_path, nproc):
         hashed = json.load(f)["files"]  # every rank's files, hashed across the ranks
     assert {f"extra_rank{r}.pt" for r in range(nproc or 1)} | {".metadata"} <= set(hashed)
     with open(os.path.join(out, "config.json")) as f:
-        assert json.load(f) == {**vars(train.Config()), "steps": 2, "out_dir": out, "save_every": 1,
+        assert json.load(f) == {**flat(train.Config()), "steps": 2, "out_dir": out, "save_every": 1,
                                 "keep_checkpoints": 1, "dump_every": 1, "rollouts_per_step": 8,
                                 "warmup_steps": 2, "value_pretrain_steps": 1, "mini_batches": 2,
                                 "micro_batch_tokens": 2048, "activation_checkpointing": bool(nproc)}
@@ -93,7 +93,7 @@ def test_logged_lambda_and_correction_match_a_loop():
         return {"mask": mask, "old_values": torch.zeros_like(mask), "reward": 1.0, "rollout_id": rid,
                 "segment_index": seg}
     masks = [([0, 1, 1, 1], 0, 0), ([0, 0, 1, 1], 0, 1), ([1, 1, 1, 1, 0], 1, 0)]
-    fixed = train.advantages([row(*m) for m in masks], train.Config(lam_mode="fixed", lam=0.9, gamma=0.99),
+    fixed = train.advantages([row(*m) for m in masks], make(lam_mode="fixed", lam=0.9, gamma=0.99),
                              [0, 0, 1])
     assert fixed["lambda"] == pytest.approx(0.9 * 9)
     assert fixed["early_tokens"] == 3 and fixed["correction"] == pytest.approx(3 * (0.99 * 0.9) ** 2)
@@ -208,17 +208,14 @@ def test_resume_is_exact(tmp_path):
 
 
 def test_logger_drops_the_steps_a_resumed_run_redoes(tmp_path):
-    from types import SimpleNamespace
-
     from metrics import Logger
-    cfg = SimpleNamespace(out_dir=str(tmp_path), tensorboard=False, wandb=False)
-    log = Logger(cfg, rank=0, start=0)
+    log = Logger(str(tmp_path), rank=0, start=0)
     for step in range(4):
         log.log(step, {"rollout/reward": step / 4})
     path = str(tmp_path / "metrics.jsonl")
-    Logger(cfg, rank=0, start=2).log(2, {"rollout/reward": 1.0})  # resumed from the step-1 checkpoint
+    Logger(str(tmp_path), rank=0, start=2).log(2, {"rollout/reward": 1.0})  # resumed from the step-1 checkpoint
     assert [(r["step"], r["rollout/reward"]) for r in read_metrics(path)] == [(0, 0.0), (1, 0.25), (2, 1.0)]
-    Logger(cfg, rank=0, start=0)  # a fresh run starts an empty file
+    Logger(str(tmp_path), rank=0, start=0)  # a fresh run starts an empty file
     assert read_metrics(path) == []
 
 
@@ -240,20 +237,21 @@ def test_swe_task_refuses_unisolated_agent_commands_before_any_model(monkeypatch
     swe = parse_config(["--task", "swe"])
     with pytest.raises(SandboxError, match="apt-get install bubblewrap"):
         train.check_inputs(swe)
-    assert len(train.check_inputs(replace(swe, allow_unisolated=True))) == 4   # asked for: no check
+    assert len(train.check_inputs(override(swe, allow_unisolated=True))) == 4   # asked for: no check
 
 
 # --- SWE: presets, task rows, Docker ----------------------------------------------------------------
 
 def test_task_swe_alone_picks_the_swe_preset_and_flags_override_presets():
     swe = parse_config(["--task", "swe"])
-    assert swe == replace(PRESETS["swe"][1]) and swe.preset == "swe" and swe.warmup_steps == 0
-    assert swe.max_action_tokens > 1 and swe.context_budget > 1024   # an issue and a patch fit
+    assert swe == replace(PRESETS["swe"][1]) and swe.preset == "swe" and swe.optim.warmup_steps == 0
+    assert swe.rollout.max_action_tokens > 1 and swe.rollout.context_budget > 1024   # an issue and a patch fit
     assert parse_config([]) == train.Config() and parse_config(["--task=swe"]) == swe
     paper = parse_config(["--preset", "swe-paper", "--model", "m", "--max-turns", "7"])
-    assert (paper.context_budget, paper.reserve, paper.max_compactions, paper.rollouts_per_step) == (65536, 10240, 3, 128)
-    assert (paper.actor_lr, paper.critic_lr, paper.critic_updates, paper.value_pretrain_steps) == (2e-6, 3e-6, 2, 50)
-    assert paper.sandbox == "docker" and paper.max_turns == 7 and paper.model == "m"
+    r, o = paper.rollout, paper.optim
+    assert (r.context_budget, r.reserve, r.max_compactions, o.rollouts_per_step) == (65536, 10240, 3, 128)
+    assert (o.actor_lr, o.critic_lr, o.critic_updates, o.value_pretrain_steps) == (2e-6, 3e-6, 2, 50)
+    assert paper.task.sandbox == "docker" and paper.rollout.max_turns == 7 and paper.model.path == "m"
     for argv, problem in ((["--preset", "swe", "--task", "memory"], "--preset swe is for --task swe"),
                           (["--preset", "swe-paper"], "give --model"),
                           (["--task", "swe", "--warmup-steps", "5"], "--warmup-steps 0")):
@@ -366,9 +364,9 @@ def test_swe_training_runs_in_docker_end_to_end(tmp_path):
 def test_a_run_that_would_never_update_the_policy_is_refused():
     """Steps 0 .. value_pretrain_steps − 1 train the critic only: --steps must go past them."""
     with pytest.raises(AssertionError, match="the policy would never be updated"):
-        train.finalize(train.Config(steps=50, value_pretrain_steps=50), world=8)
-    train.finalize(train.Config(steps=51, value_pretrain_steps=50), world=8)
-    train.finalize(train.Config(steps=0, value_pretrain_steps=50), world=8)  # the warm-up alone
+        train.finalize(make(steps=50, value_pretrain_steps=50), world=8)
+    train.finalize(make(steps=51, value_pretrain_steps=50), world=8)
+    train.finalize(make(steps=0, value_pretrain_steps=50), world=8)  # the warm-up alone
 
 
 def test_the_critic_starts_from_the_policy_that_rl_starts_from():
