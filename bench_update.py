@@ -180,7 +180,7 @@ def compare(name, rows, model_dir, cfg, device, repeats, warmup=True):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--full", action="store_true", help="every set at its full size (the README's run)")
+    p.add_argument("--full", action="store_true", help="every set at its full size (the readings in docs/results.md)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per set")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed first round")
     p.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS), help="which row sets to run")

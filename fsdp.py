@@ -56,9 +56,9 @@ def close_distributed():
     """Leave the process group on every rank, at the end of a run. A gloo worker thread drops its
     reference to a finished collective (freeing the tensors it holds) only after the caller has
     moved on, and freeing them takes the GIL: if the interpreter is finalizing by then, the thread
-    aborts the process ("terminate called without an active exception", SIGABRT; 3 in 113 two-rank
-    runs of tests/dist_check.py, gdb: take_gil under ~AsyncAllgatherCoalescedWork; pytorch PR
-    179291). The barrier and the sleep give those threads the GIL while the interpreter is alive."""
+    aborts the process ("terminate called without an active exception", SIGABRT, now and then; the
+    thread waits in take_gil under ~AsyncAllgatherCoalescedWork; pytorch PR 179291). The barrier
+    and the sleep give those threads the GIL while the interpreter is alive."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

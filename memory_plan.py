@@ -45,7 +45,8 @@ RUNTIME_GPU = int(1.5 * GiB)
 """CUDA context, cuBLAS workspaces and NCCL buffers of one rank: outside the allocator's count."""
 RUNTIME_CPU = 64 * 2**20
 """What a CPU rank's resident set holds beside the tensors once the models load: Python objects,
-the allocator's arenas, libraries loaded on first use (bench_memory.py's runs show 50-65 MiB)."""
+the allocator's arenas, libraries loaded on first use (bench_memory.py measures it; its readings
+are in docs/results.md)."""
 VLLM_WORKSPACE_GPU = int(2 * GiB)
 """vLLM's own activations, sampler buffers and CUDA graphs beside its weights and KV cache (its
 profile run at start-up measures them; this is the allowance)."""

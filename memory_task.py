@@ -40,8 +40,8 @@ SYSTEM = "Remember the key."
 TASK = "Task: memory."
 QUESTION = "answer?"
 # The task's own, short summary instruction and resume message: the general ones
-# (compaction.SUMMARY_INSTRUCTION, ~150 tokens for the tiny tokenizer, and RESUME_WITH_TASK, 30)
-# would multiply the CPU cost of every window around a compaction.
+# (compaction.SUMMARY_INSTRUCTION and RESUME_WITH_TASK), written for real agents, are long against
+# this task's few-token turns and would multiply the CPU cost of every window around a compaction.
 SUMMARY_INSTRUCTION = "Context full. Summarize."
 RESUME = "{task} Summary:\n{summary}"
 
@@ -120,10 +120,11 @@ class WarmupDemoEngine:
     So the warm-up teaches the shape of every turn, to answer from context, and that a summary
     repeats a line — never which line matters. After a compaction the demo answer repeats the
     kept line's symbol, right only when the random pick was the key line (or a distractor that
-    happens to equal the key). Why copy a line rather than write a random symbol: the earlier
-    random-symbol warm-up trained "after `key` in a summary comes an unrelated symbol", against
-    the copy the answer skill uses; RL then found positional shortcuts (copy the first
-    observation) and stalled near 0.5 (docs/results.md, "how the default recipe was found").
+    happens to equal the key). Why copy a line rather than write a random symbol: a random
+    symbol would teach "after `key` in a summary comes an unrelated symbol", against the copy
+    the answer skill uses, and RL would have to unlearn it; a copied line is faithful from the
+    start, and RL only moves which line it copies (docs/results.md, "how the default recipe was
+    found", has the runs behind this).
     """
 
     def __init__(self, codec, n_keys, seed):

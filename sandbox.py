@@ -31,7 +31,8 @@ killed trainer) is removed when the next run makes its first sandbox.
 
 Where we depart from mini-swe-agent:
 * Output is read incrementally and capped in BYTES (head and tail kept); theirs reads it all and
-  then elides characters. A command printing 100 MB costs ~1.5x the cap in memory.
+  then elides characters. The buffer holds at most about 1.5x the cap (the head, and a tail
+  trimmed whenever it reaches twice its share), however much a command prints.
 * Nothing outlives a command: when its shell exits, its PID namespace (without isolation: its
   process group) is killed. Background servers must be started and used within one command.
 * HOME is a private folder next to the copy, not the user's, so tool caches stay out of the diff.

