@@ -226,7 +226,7 @@ class OptimConfig:
     """Max global grad norm. Not stated in the paper."""
     critic_updates: int = 1
     """Critic updates per step (passes over the batch). Paper: 2. The CPU default is 1: each pass
-    costs as much as the policy's, and with 1 the memory task still learns (README)."""
+    costs as much as the policy's, and with 1 the memory task still learns (the default run's curve)."""
     value_pretrain_steps: int = 3
     """Critic-only steps at the start, on rollouts of the initial policy. Paper: 50."""
     warmup_steps: int = 150
