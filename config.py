@@ -10,6 +10,9 @@ import tyro
 
 from compaction import SUMMARY_INSTRUCTION
 
+# The paper's letters for the estimators, and the names flags, config.json and train.py use.
+ESTIMATORS = {"P": "cross-trajectory", "E": "concatenated", "N": "per-segment", "G": "group"}
+
 # Tokens past C + observation + summary that the longest sequence may hold when the tokenizer is
 # not at hand: q_sum's message and the chat template's glue.
 GLUE_TOKENS = 1024
@@ -152,8 +155,12 @@ class TaskConfig:
 @dataclass
 class AlgorithmConfig:
     """Advantages, returns and losses (docs/method.md, 'Advantages' and 'Losses')."""
-    estimator: Literal["P", "E", "N", "G"] = "P"
-    """P cross-trajectory GAE (paper), E concatenated GAE, N naive per-segment, G group-relative."""
+    estimator: Literal["cross-trajectory", "concatenated", "per-segment", "group", "P", "E", "N", "G"] = \
+        "cross-trajectory"
+    """cross-trajectory: per-window GAE with the eq.-14 correction (the paper's estimator, its P);
+    concatenated: one GAE over the rollout's windows end to end (E); per-segment: naive GAE per
+    window, each ending in R (N); group: group-relative R − mean of the task's group (G). The
+    paper's letters are accepted and read as the names (ESTIMATORS)."""
     gamma: float = 1.0
     """γ. Not stated in the paper; 1 (the only reward is at the end of the rollout)."""
     lam_mode: Literal["rollout", "segment", "fixed"] = "rollout"
@@ -389,7 +396,8 @@ def parse_config(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     name = flag_value(argv, "--preset") or ("swe" if flag_value(argv, "--task") == "swe" else "memory")
     default = PRESETS.get(name, PRESETS["memory"])[1]   # an unknown name: tyro names the choices
-    return tyro.cli(Config, args=argv, default=replace(default), description=preset_help())
+    cfg = tyro.cli(Config, args=argv, default=replace(default), description=preset_help())
+    return override(cfg, estimator=ESTIMATORS.get(cfg.algorithm.estimator, cfg.algorithm.estimator))
 
 
 def max_model_len(r, glue=GLUE_TOKENS):
@@ -419,7 +427,8 @@ def finalize(cfg, world):
     per_rank = o.rollouts_per_step // world
     assert per_rank % o.group_size == 0, \
         f"rollouts per rank ({per_rank}) must be a multiple of group_size ({o.group_size}): groups stay on one rank"
-    assert a.estimator != "G" or o.group_size > 1, "estimator G needs group_size > 1"
+    estimator = ESTIMATORS.get(a.estimator, a.estimator)
+    assert estimator != "group" or o.group_size > 1, "the group estimator (G) needs group_size > 1"
     assert t.name == PRESETS[cfg.preset][1].task.name, \
         f"--preset {cfg.preset} is for --task {PRESETS[cfg.preset][1].task.name}, not --task {t.name}"
     assert o.warmup_steps == 0 or t.name == "memory", \

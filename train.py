@@ -39,7 +39,7 @@ import rundir
 from advantage import (adaptive_lambda, concatenated_gae, correction_factor, cross_trajectory_gae,
                        group_advantage, rollout_lengths, segment_gae, whiten_segments)
 from batch import assign_groups, micro_batches, minibatch_indices, pack_micro_batches, pad, to_rows, unpack
-from config import GLUE_TOKENS, Config, finalize, flat, max_model_len, parse_config
+from config import ESTIMATORS, GLUE_TOKENS, Config, finalize, flat, max_model_len, parse_config
 from engine import make_engine
 from loss import finalize_metrics, normalizer_weights, ppo_policy_loss, value_loss
 from metrics import (Logger, explained_variance, merge_sums, plot_curve, reduce_sums, rollout_metrics,
@@ -299,11 +299,12 @@ def advantages(rows, cfg, group_ids):
     else:
         length = total if cfg.algorithm.lam_mode == "rollout" else mask.sum(1)
         lam = adaptive_lambda(length, cfg.algorithm.lam_alpha)  # (B,) one λ per rollout (or per segment)
-    if cfg.algorithm.estimator == "P":
+    estimator = ESTIMATORS.get(cfg.algorithm.estimator, cfg.algorithm.estimator)  # a letter, or its name
+    if estimator == "cross-trajectory":
         adv, ret = cross_trajectory_gae(values, mask, rewards, n_after, cfg.algorithm.gamma, lam)
-    elif cfg.algorithm.estimator == "E":
+    elif estimator == "concatenated":
         adv, ret = concatenated_gae(values, mask, rewards, rid, seg, cfg.algorithm.gamma, lam)
-    elif cfg.algorithm.estimator == "N":
+    elif estimator == "per-segment":
         adv, ret = segment_gae(values, mask, rewards, cfg.algorithm.gamma, lam)
     else:
         adv = group_advantage(mask, rewards, torch.tensor(group_ids), rid)

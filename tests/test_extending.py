@@ -132,6 +132,6 @@ def test_registration_lines_match_the_code():
     assert 'name: Annotated[Literal["memory", "swe"], tyro.conf.arg(name="task")] = "memory"' in config_py
     assert 'preset: Literal["memory", "swe", "swe-paper"] = "memory"' in config_py and "PRESETS = {\n" in config_py
     assert '    if cfg.task.name == "memory":\n' in train_py and "make = memory_task.MemoryEnv" in train_py
-    assert 'elif cfg.algorithm.estimator == "N":' in train_py
+    assert '    elif estimator == "per-segment":\n' in train_py
     assert 'NORMALIZERS = ("token", "segment", "rollout")' in loss_py
     assert 'engine: Literal["auto", "hf", "vllm"]' in config_py

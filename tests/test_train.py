@@ -388,3 +388,20 @@ def test_max_format_errors_is_a_flag():
     """The rollout limit eval_swebench.py had and train.py lacked."""
     cfg = parse_config(["--max-format-errors", "7"])
     assert train.rollout_config(cfg).max_format_errors == 7
+
+
+def test_estimators_go_by_name_and_the_papers_letters_are_aliases():
+    assert parse_config(["--estimator", "N"]).algorithm.estimator == "per-segment"
+    assert parse_config([]).algorithm.estimator == "cross-trajectory"
+    masks = [(1, 0, [1, 1, 0]), (1, 1, [0, 1, 1]), (2, 0, [1, 1, 1])]
+
+    def row(rid, seg, m):
+        return {"mask": torch.tensor(m, dtype=torch.float32), "old_values": torch.rand(3), "reward": float(rid == 1),
+                "rollout_id": rid, "segment_index": seg}
+    torch.manual_seed(0)
+    rows = [row(*m) for m in masks]
+    for letter, name in (("P", "cross-trajectory"), ("E", "concatenated"), ("N", "per-segment")):
+        by_letter, by_name = ([dict(r) for r in rows] for _ in range(2))
+        train.advantages(by_letter, make(estimator=letter), [0, 1, 2])
+        train.advantages(by_name, make(estimator=name), [0, 1, 2])
+        assert all(torch.equal(a["advantages"], b["advantages"]) for a, b in zip(by_letter, by_name))
