@@ -40,6 +40,7 @@ import torch  # noqa: E402
 
 from env import Step  # noqa: E402
 from model import ChatCodec, build_tiny_model, load_policy, load_tokenizer  # noqa: E402
+from train import tiny_corpus  # noqa: E402
 from engine import HFEngine  # noqa: E402
 from config import RolloutConfig  # noqa: E402
 from rollout import run_episodes  # noqa: E402
@@ -183,7 +184,7 @@ def bench(cfg, model_path):
 
 def main(cfg):
     with tempfile.TemporaryDirectory(prefix="bench_tiny_") as tmp:
-        bench(cfg, build_tiny_model(tmp, hidden_size=cfg.hidden_size, num_layers=cfg.layers,
+        bench(cfg, build_tiny_model(tmp, tiny_corpus(), hidden_size=cfg.hidden_size, num_layers=cfg.layers,
                                     intermediate_size=4 * cfg.hidden_size, num_heads=cfg.hidden_size // 64,
                                     head_dim=64, max_positions=cfg.context_budget + 512, seed=cfg.seed))
 

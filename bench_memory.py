@@ -49,9 +49,10 @@ def run(name, work):
     import memory_plan
     import train
     from model import build_tiny_model, hf_config
+    from train import tiny_corpus
 
     ranks, shape, flags = CONFIGS[name]
-    model = build_tiny_model(os.path.join(work, name + "-model"), max_positions=8192, **shape)
+    model = build_tiny_model(os.path.join(work, name + "-model"), tiny_corpus(), max_positions=8192, **shape)
     out = os.path.join(work, name)
     args = ["train.py", "--model", model, "--out-dir", out, "--warmup-steps", "0", "--value-pretrain-steps", "0",
             "--steps", "2", "--save-every", "0", "--no-export-hf", "--mini-batches", "1", "--max-turns", "6"] + flags

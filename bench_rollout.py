@@ -118,7 +118,7 @@ def report(name, results):
 
 def main(cfg):
     with tempfile.TemporaryDirectory(prefix="bench_tiny_") as tmp:
-        bench(cfg, cfg.model or build_tiny_model(tmp, seed=cfg.seed))
+        bench(cfg, cfg.model or build_tiny_model(tmp, train.tiny_corpus(), seed=cfg.seed))
 
 
 def bench(cfg, model_path):

@@ -193,7 +193,7 @@ def main():
     cfg = Config()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        tiny = build_tiny_model(os.path.join(tmp, "tiny"), **train.tiny_model_args(cfg))
+        tiny = build_tiny_model(os.path.join(tmp, "tiny"), train.tiny_corpus(), **train.tiny_model_args(cfg))
         larger = larger_model(os.path.join(tmp, "larger"))
         mixed = random_rows(384, 20, 200, 667, 0.5, seed=1)
         few = [dict(r) for r in mixed[:None if args.full else 48]]

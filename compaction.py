@@ -78,27 +78,3 @@ def select_tail(head_tokens, step_tokens, budget, reserve, keep_last=2):
         if not should_compact(head_tokens + tail, budget, reserve):
             return k
     return None
-
-
-def build_resume_context(system, task, summary, steps, count_tokens, budget, reserve,
-                         keep_last=2, repeat_task=True):
-    """Eq. (9) on chat messages: [system, user(u_resume)] + the last k atomic steps.
-
-    steps: list of atomic steps, each a list of messages (an assistant action and its
-    observation). count_tokens(messages) -> int counts a message list as the model would see it.
-    Returns (messages, k) or (None, None) when even the head does not fit.
-    """
-    head = [{"role": "system", "content": system},
-            {"role": "user", "content": resume_text(task, summary, repeat_task)}]
-    head_n = count_tokens(head)
-    # Each step's marginal length in context (templates may add separators between messages).
-    step_n, prev = [], head_n
-    for i, _ in enumerate(steps):
-        n = count_tokens(head + [m for s in steps[: i + 1] for m in s])
-        step_n.append(n - prev)
-        prev = n
-    k = select_tail(head_n, step_n, budget, reserve, keep_last)
-    if k is None:
-        return None, None
-    tail = [m for s in (steps[len(steps) - k:] if k else []) for m in s]
-    return head + tail, k

@@ -54,6 +54,7 @@ import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from typing import Literal
 
 import torch
@@ -68,6 +69,7 @@ from model import ChatCodec, build_tiny_model, load_tokenizer
 from rollout import format_episode, run_episodes
 from rundir import ensure_tiny_model
 from sandbox import DiffError, check_docker_images, check_isolation
+from train import tiny_corpus
 
 VERIFIED = "SWE-bench/SWE-bench_Verified"
 PREDICTION_KEYS = ("instance_id", "model_name_or_path", "model_patch")
@@ -461,7 +463,8 @@ def load_model(cfg):
     model_path = cfg.model or os.path.join(cfg.out_dir, "tiny_model")
     if not cfg.model:   # built atomically, and again if --seed changed
         # RoPE has no learned positions: 8192 only lets vLLM accept windows past the default C
-        ensure_tiny_model(model_path, {"max_positions": 8192, "seed": cfg.seed}, False, build_tiny_model)
+        ensure_tiny_model(model_path, {"max_positions": 8192, "seed": cfg.seed}, False,
+                          partial(build_tiny_model, corpus=tiny_corpus()))
     tokenizer = load_tokenizer(model_path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     engine = make_engine(cfg.engine, model_path, pad, "cuda" if torch.cuda.is_available() else "cpu",

@@ -63,7 +63,8 @@ def build_model(path, tiny):
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     from model import build_tiny_model, load_tokenizer
-    build_tiny_model(path)
+    from train import tiny_corpus
+    build_tiny_model(path, tiny_corpus())
     tok = load_tokenizer(path)
     cfg = Qwen3Config(**SHAPES[tiny], max_position_embeddings=32768, tie_word_embeddings=True,
                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)

@@ -41,22 +41,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def _tokenizer_corpus():
-    """Text the embedded BPE is trained on: the agent's own prompts and a little shell/Python,
-    so frequent prompt fragments become few tokens and contexts stay short."""
-    from compaction import RESUME_WITH_TASK, SUMMARY_INSTRUCTION
-    from memory_task import corpus as memory_corpus
-    shell = ["```bash\nls -la\n```", "```bash\ncat src/utils.py\n```", "```bash\npython -m pytest -q\n```",
-             "def add(a, b):\n    return a + b\n", "Traceback (most recent call last):\n  File",
-             "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT", "returncode: 0\noutput:\n", "git diff\n"]
-    return [SUMMARY_INSTRUCTION, RESUME_WITH_TASK] * 20 + shell * 5 + memory_corpus()
-
-
-def build_tiny_model(out_dir, vocab_size=1024, hidden_size=64, num_layers=2, num_heads=2,
+def build_tiny_model(out_dir, corpus, vocab_size=1024, hidden_size=64, num_layers=2, num_heads=2,
                      head_dim=32, intermediate_size=256, max_positions=2048, init_std=0.1, seed=0):
     """Write a tiny Qwen3-style causal LM and its tokenizer to `out_dir`, with no network.
 
-    Byte-level BPE (any UTF-8 text round-trips) trained locally with `tokenizers`; special tokens
+    Byte-level BPE (any UTF-8 text round-trips) trained locally with `tokenizers` on `corpus` (a
+    list of strings: the entry script's prompts, so they become few tokens); special tokens
     for pad/eos and each chat role; a compact Phi-3-style template (CHAT_TEMPLATE). head_dim 32
     because vLLM's CPU attention accepts head_dim in {32, 64, 80, ...}. `init_std` replaces HF's
     0.02 default: a tiny random model with std 0.02 has near-uniform outputs and RL from it stalls.
@@ -72,7 +62,7 @@ def build_tiny_model(out_dir, vocab_size=1024, hidden_size=64, num_layers=2, num
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(_tokenizer_corpus(), trainer)
+    tok.train_from_iterator(corpus, trainer)
     # no model_max_length: the model's config holds its position limit (vLLM would cap a rope-
     # scaled model's length at the tokenizer's)
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>",
@@ -207,13 +197,6 @@ class Critic(nn.Module):
         h = self.backbone(input_ids=input_ids, position_ids=position_ids).last_hidden_state
         # clone: FSDP2 must not hand out a view of its output (an in-place op would skip its hooks)
         return self.value_head(h[:, :-1]).squeeze(-1).float().clone()  # (B, T): V before each target
-
-
-def load_critic(path, dtype=torch.float32, device="cpu"):
-    from transformers import AutoConfig, AutoModel
-    cfg = AutoConfig.from_pretrained(path)
-    backbone = AutoModel.from_pretrained(path, dtype=dtype)  # the causal LM's trunk, no LM head
-    return Critic(backbone, cfg.hidden_size).to(device=device, dtype=dtype)
 
 
 ENTROPY = ("none", "metric", "loss")

@@ -27,6 +27,7 @@ cross-trajectory GAE.
 import os
 import warnings
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ import rundir
 from advantage import (adaptive_lambda, concatenated_gae, correction_factor, cross_trajectory_gae,
                        group_advantage, rollout_lengths, segment_gae, whiten_segments)
 from batch import assign_groups, micro_batches, minibatch_indices, pack_micro_batches, pad, to_rows, unpack
+from compaction import RESUME_WITH_TASK, SUMMARY_INSTRUCTION
 from config import ESTIMATORS, GLUE_TOKENS, Config, finalize, flat, max_model_len, parse_config
 from engine import make_engine
 from loss import finalize_metrics, normalizer_weights, ppo_policy_loss, value_loss
@@ -137,7 +139,8 @@ def prepare_run(cfg, rank, world, device):
     def write_run_files():
         rundir.write_config(cfg.run.out_dir, flat(cfg))
         if not cfg.model.path:  # the embedded default: written by rank 0, read by all
-            rundir.ensure_tiny_model(model_path, tiny_model_args(cfg), cfg.run.resume, build_tiny_model)
+            rundir.ensure_tiny_model(model_path, tiny_model_args(cfg), cfg.run.resume,
+                                     partial(build_tiny_model, corpus=tiny_corpus()))
     fsdp.fail_together(write_run_files, rank0_only=True)
     fsdp.fail_together(lambda: check_model(cfg, model_path))
     setup = memory_setup(cfg, world, device.type == "cuda")
@@ -189,7 +192,7 @@ def print_plan(cfg, world):
     if gpu and not torch.cuda.is_available() and not cfg.model.device_memory_gib:
         raise ValueError("--plan-device cuda without a GPU here: give its memory with --device-memory-gib")
     with tempfile.TemporaryDirectory() as tmp:
-        model_path = cfg.model.path or build_tiny_model(tmp, **tiny_model_args(cfg))
+        model_path = cfg.model.path or build_tiny_model(tmp, tiny_corpus(), **tiny_model_args(cfg))
         shapes = memory_plan.model_shapes(hf_config(model_path, cfg.model.rope_scaling))
     setup = memory_plan.choose_head(shapes, memory_setup(cfg, world, gpu))
     phases, host = memory_plan.plan(shapes, setup)
@@ -251,6 +254,16 @@ def check_prompts(cfg, codec, swe_rows):
         import swe_task
         swe_task.check_prompts_fit(swe_rows, codec, cfg.rollout.context_budget, cfg.rollout.reserve,
                                    cfg.task.command_timeout)
+
+
+def tiny_corpus():
+    """Text the embedded tokenizer is trained on (model.build_tiny_model): the agent's prompts of
+    both tasks and a little shell/Python, so frequent prompt fragments become few tokens and
+    contexts stay short. eval_swebench.py builds its tiny model from it too."""
+    shell = ["```bash\nls -la\n```", "```bash\ncat src/utils.py\n```", "```bash\npython -m pytest -q\n```",
+             "def add(a, b):\n    return a + b\n", "Traceback (most recent call last):\n  File",
+             "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT", "returncode: 0\noutput:\n", "git diff\n"]
+    return [SUMMARY_INSTRUCTION, RESUME_WITH_TASK] * 20 + shell * 5 + memory_task.corpus()
 
 
 def tiny_model_args(cfg):

@@ -11,6 +11,7 @@ import pytest
 import memory_task
 from compaction import SUMMARY_INSTRUCTION, resume_text
 from model import SPECIAL_TOKENS, ChatCodec, build_tiny_model, load_tokenizer
+from train import tiny_corpus
 from rollout import clip_tokens
 
 CHATML_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -55,7 +56,7 @@ def chatml_tokenizer(template=CHATML_TEMPLATE):
 @pytest.fixture(scope="module")
 def tiny_tok(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("tiny"))
-    build_tiny_model(d)
+    build_tiny_model(d, tiny_corpus())
     return load_tokenizer(d)
 
 

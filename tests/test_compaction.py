@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from compaction import (SUMMARY_INSTRUCTION, build_resume_context, can_compact, resume_text,
-                        select_tail, should_compact)
+from compaction import SUMMARY_INSTRUCTION, can_compact, resume_text, select_tail, should_compact
 
 
 def test_trigger_boundaries():
@@ -52,34 +51,19 @@ def test_tail_shrinks_until_it_fits():
     assert select_tail(10, [], 100, 20) == 0
 
 
-def count_chars(messages):
-    """A toy token counter: 1 token per 4 characters of each message, plus 3 per message."""
-    return sum(3 + len(m["content"]) // 4 for m in messages)
-
-
-def make_steps(rng, n):
-    return [[{"role": "assistant", "content": f"cmd{i} " + "a" * rng.randint(0, 200)},
-             {"role": "user", "content": f"out{i} " + "o" * rng.randint(0, 400)}] for i in range(n)]
-
-
 @pytest.mark.parametrize("seed", range(30))
-def test_resume_context_never_exceeds_budget_and_keeps_whole_steps(seed):
+def test_resume_tail_never_exceeds_budget_and_is_maximal(seed):
+    """Eq. (9)'s k on token lengths, as rollout._compact calls it: the head s ⊕ u_resume(S) plus
+    the last k whole steps leaves the reserve free, and one more step would not."""
     rng = random.Random(seed)
-    steps = make_steps(rng, rng.randint(0, 6))
+    steps = [rng.randint(1, 150) for _ in range(rng.randint(0, 6))]
     C, reserve = rng.randint(150, 600), rng.randint(10, 100)
-    summary = "s" * rng.randint(0, 800)
-    msgs, k = build_resume_context("SYS", "TASK", summary, steps, count_chars, C, reserve, keep_last=2)
-    if msgs is None:
-        head = [{"role": "system", "content": "SYS"},
-                {"role": "user", "content": resume_text("TASK", summary)}]
-        assert should_compact(count_chars(head), C, reserve)
+    head = rng.randint(5, 400)
+    k = select_tail(head, steps, C, reserve, keep_last=2)
+    if k is None:
+        assert should_compact(head, C, reserve)  # not even the head leaves the reserve
         return
-    assert not should_compact(count_chars(msgs), C, reserve)  # room left for the next response
-    assert 0 <= k <= 2
-    tail = msgs[2:]
-    assert len(tail) == 2 * k  # whole atomic steps only
-    assert tail == [m for s in steps[len(steps) - k:] for m in s] if k else tail == []
-    # keeping one more step would not have fit (k is maximal), unless we hit keep_last or ran out
-    if k < min(2, len(steps)):
-        bigger = msgs[:2] + [m for s in steps[len(steps) - k - 1:] for m in s]
-        assert should_compact(count_chars(bigger), C, reserve)
+    assert 0 <= k <= min(2, len(steps))
+    assert not should_compact(head + sum(steps[len(steps) - k:]), C, reserve)  # room for the next response
+    if k < min(2, len(steps)):  # keeping one more step would not have fit
+        assert should_compact(head + sum(steps[len(steps) - k - 1:]), C, reserve)

@@ -26,6 +26,7 @@ from conftest import bwrap_isolates, require_docker_images
 from env import SUBMIT_SENTINEL
 from sandbox import SandboxError
 from model import build_tiny_model, load_tokenizer
+from train import tiny_corpus
 from rollout import format_episode
 from scripted import ScriptedAgent, gold_agent, gold_script, submit_script
 from swe_task import BUILTIN_TASKS_FILE, load_tasks
@@ -38,7 +39,7 @@ A, B = "local__inventory-1", "local__textkit-1"
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny"))
-    build_tiny_model(path)
+    build_tiny_model(path, tiny_corpus())
     return path, load_tokenizer(path)
 
 

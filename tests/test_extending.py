@@ -13,6 +13,7 @@ import torch
 from engine import Generation
 from config import RolloutConfig
 from model import ChatCodec, build_tiny_model, load_policy, load_tokenizer, token_logprobs
+from train import tiny_corpus
 from rollout import run_episodes
 from test_docs import ROOT, defined_names
 
@@ -38,7 +39,7 @@ def example(name):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("tiny"))
-    build_tiny_model(d)
+    build_tiny_model(d, tiny_corpus())
     tok = load_tokenizer(d)
     return tok, ChatCodec(tok), d
 

@@ -109,17 +109,17 @@ def test_train_py_stops_before_any_model_when_a_check_fails(tmp_path):
         return subprocess.run([sys.executable, "train.py", "--model", model, "--out-dir", str(tmp_path / out),
                                "--steps", "1", "--value-pretrain-steps", "0", *flags],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    p = train_py(build_tiny_model(str(tmp_path / "short"), max_positions=1024), "a")
+    p = train_py(build_tiny_model(str(tmp_path / "short"), train.tiny_corpus(), max_positions=1024), "a")
     assert p.returncode != 0 and "is past " in p.stderr and "1024 positions" in p.stderr, p.stderr[-2000:]
     assert "world 1 ·" not in p.stdout
-    model = build_tiny_model(str(tmp_path / "plain"), max_positions=8192)
+    model = build_tiny_model(str(tmp_path / "plain"), train.tiny_corpus(), max_positions=8192)
     tok = family_tokenizer("qwen3")
     tok.chat_template = "{%- for m in messages -%}{{- m.role + ': ' + m.content + '\\n' -}}{%- endfor -%}"
     tok.save_pretrained(model)
     p = train_py(model, "b")
     assert p.returncode != 0 and "chat template" in p.stderr, p.stderr[-2000:]
     assert "world 1 ·" not in p.stdout
-    p = train_py(build_tiny_model(str(tmp_path / "fits"), max_positions=8192), "c", "--device-memory-gib", "0.1")
+    p = train_py(build_tiny_model(str(tmp_path / "fits"), train.tiny_corpus(), max_positions=8192), "c", "--device-memory-gib", "0.1")
     assert p.returncode != 0 and "DOES NOT FIT" in p.stderr and "activations" in p.stderr, p.stderr[-2000:]
     assert "world 1 ·" not in p.stdout
 

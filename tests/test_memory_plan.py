@@ -90,12 +90,13 @@ def test_the_head_keeps_its_log_softmax_only_where_the_plan_fits_with_it(tmp_pat
     micro-batches and Qwen3-8B's 151936 tokens (44 GiB) it does not fit an 80 GiB GPU beside the
     rest, so the head recomputes its chunks; the tiny default's fits."""
     from model import build_tiny_model
+    from train import tiny_corpus
     big = memory_plan.model_shapes(hf_config(QWEN3_8B, (4.0, 32768)))
     s = setup(cpu_offload=False)
     recompute, saved = (memory_plan.plan(big, replace(s, save_head=flag))[0] for flag in (False, True))
     assert saved["actor"]["log-prob head"] - recompute["actor"]["log-prob head"] == s.window * big.vocab * 4
     assert not memory_plan.choose_head(big, s).save_head
-    tiny = memory_plan.model_shapes(hf_config(build_tiny_model(str(tmp_path), vocab_size=300)))
+    tiny = memory_plan.model_shapes(hf_config(build_tiny_model(str(tmp_path), tiny_corpus(), vocab_size=300)))
     assert memory_plan.choose_head(tiny, replace(s, window=16384)).save_head
 
 

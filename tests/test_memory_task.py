@@ -6,6 +6,7 @@ import pytest
 
 import memory_task
 from model import ChatCodec, build_tiny_model, load_tokenizer
+from train import tiny_corpus
 from config import RolloutConfig
 from rollout import run_episodes
 
@@ -13,7 +14,7 @@ from rollout import run_episodes
 @pytest.fixture(scope="module")
 def codec(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("tiny"))
-    build_tiny_model(d)
+    build_tiny_model(d, tiny_corpus())
     return ChatCodec(load_tokenizer(d))
 
 

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 import batch
 from model import (PACKED_ATTENTION, Actor, ChatCodec, Critic, LogProbHead, build_tiny_model, export_pretrained,
-                   hf_config, load_critic, load_policy, load_tokenizer, token_logprobs)
+                   hf_config, load_policy, load_tokenizer, token_logprobs)
+from train import tiny_corpus
 from engine import HFEngine
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
@@ -21,7 +22,7 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("tiny"))
-    build_tiny_model(d)
+    build_tiny_model(d, tiny_corpus())
     return d, load_tokenizer(d), load_policy(d)
 
 
@@ -242,7 +243,8 @@ def test_codec_rejects_templates_that_rerender(tiny):
 
 def test_critic_values_start_at_zero(tiny):
     d, tok, _ = tiny
-    critic = load_critic(d)
+    from transformers import AutoModel
+    critic = Critic(AutoModel.from_pretrained(d), load_policy(d).config.hidden_size)
     ids = torch.randint(3, len(tok), (2, 7))
     v = critic(ids)
     assert v.shape == (2, 6) and (v == 0).all()

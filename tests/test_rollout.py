@@ -12,6 +12,7 @@ import batch
 import memory_task
 from compaction import resume_text
 from model import ChatCodec, build_tiny_model, load_policy, load_tokenizer, token_logprobs
+from train import tiny_corpus
 from engine import Generation, GumbelNoise, HFEngine
 from config import RolloutConfig
 from rollout import clip_tokens, format_episode, run_episodes
@@ -20,7 +21,7 @@ from rollout import clip_tokens, format_episode, run_episodes
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("tiny"))
-    build_tiny_model(d)
+    build_tiny_model(d, tiny_corpus())
     tok = load_tokenizer(d)
     return tok, ChatCodec(tok), load_policy(d)
 

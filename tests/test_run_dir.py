@@ -18,6 +18,7 @@ import torch
 import rundir
 from metrics import Logger, json_line, plot_curve, read_metrics
 from model import build_tiny_model, load_policy
+from train import tiny_corpus
 from swe_task import load_tasks
 from tests.test_train import ROOT, SMALL
 
@@ -171,7 +172,7 @@ def test_the_embedded_model_records_what_it_was_built_with(tmp_path):
     from config import make
     cfg = make(tiny_hidden=64, seed=5)
     path = rundir.ensure_tiny_model(str(tmp_path / "tiny_model"), train.tiny_model_args(cfg), False,
-                                    build_tiny_model)
+                                    lambda folder, **settings: build_tiny_model(folder, tiny_corpus(), **settings))
     assert load_policy(path).config.hidden_size == 64
     assert rundir.tiny_model_settings(path) == {"hidden_size": 64, "num_layers": 2, "num_heads": 4,
                                                 "intermediate_size": 256, "max_positions": 8192, "seed": 5}
@@ -302,7 +303,7 @@ def test_train_py_resumes_from_the_previous_checkpoint_when_the_latest_is_damage
 def test_a_full_disk_while_saving_names_the_checkpoint_and_the_free_space(tmp_path):
     """train.py with its out dir on a 1 MB tmpfs (bubblewrap, private to the process): the metrics
     fit, the first checkpoint does not."""
-    model = build_tiny_model(str(tmp_path / "model"), max_positions=8192)  # room for the default window
+    model = build_tiny_model(str(tmp_path / "model"), tiny_corpus(), max_positions=8192)  # room for the default window
     out = tmp_path / "run"
     out.mkdir()
     p = train_py(["--model", model, "--steps", "1", "--out-dir", str(out), "--warmup-steps", "0"] + SMALL

@@ -108,7 +108,7 @@ def dist_runs(tmp_path_factory):
     """tests/dist_check.py with 1 and 2 ranks on one tiny model: {n ranks: its results}, and the model."""
     tmp = tmp_path_factory.mktemp("dist")
     model = str(tmp / "model")
-    build_tiny_model(model)
+    build_tiny_model(model, train.tiny_corpus())
     res = {}
     for n in (1, 2):
         run(["tests/dist_check.py", str(tmp / f"out{n}.pt"), model], nproc=n)
@@ -279,7 +279,7 @@ def test_docker_sandbox_needs_a_daemon_and_every_task_image_before_any_model(tmp
 @pytest.fixture(scope="module")
 def tiny_codec(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny"))
-    build_tiny_model(path)
+    build_tiny_model(path, train.tiny_corpus())
     tok = load_tokenizer(path)
     return tok, ChatCodec(tok)
 

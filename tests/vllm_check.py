@@ -17,6 +17,7 @@ import fsdp  # noqa: E402
 import memory_task  # noqa: E402
 from model import (Actor, ChatCodec, build_tiny_model, hf_config, load_policy, load_tokenizer,  # noqa: E402
                    rope_overrides)
+from train import tiny_corpus  # noqa: E402
 from engine import HFEngine  # noqa: E402
 from config import RolloutConfig  # noqa: E402
 from rollout import run_episodes  # noqa: E402
@@ -82,7 +83,7 @@ def episodes_record(eps, stop_ids):
 
 def main(out_path, work):
     r = {}
-    model_dir = build_tiny_model(os.path.join(work, "tiny"))
+    model_dir = build_tiny_model(os.path.join(work, "tiny"), tiny_corpus())
     tok = load_tokenizer(model_dir)
     codec = ChatCodec(tok)
     lm = load_policy(model_dir).eval()
@@ -196,7 +197,7 @@ def main(out_path, work):
     # (5) long context: YaRN rope scaling, handed to the trainer's config and to vLLM alike. A tiny
     # model made for 64 positions, extended 4x (model.rope_overrides); its sequences run past 64.
     from transformers import AutoConfig
-    short = build_tiny_model(os.path.join(work, "tiny64"), max_positions=64)
+    short = build_tiny_model(os.path.join(work, "tiny64"), tiny_corpus(), max_positions=64)
     scaling = (4.0, 64)
     fsdp.init_distributed()  # the environment train.py gives a second engine (rank variables)
     yarn_engine = VLLMEngine(short, max_model_len=256, seed=7, kv_cache_bytes=32 << 20,
