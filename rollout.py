@@ -155,7 +155,7 @@ async def _run_all(engines, train_summaries, codec, states, cfg, pool, live, bas
         async with slots:
             async with sched.admitted():
                 await _episode(s, sched, engine, summarizer, train_summaries, codec, cfg, run, base_seed)
-            _finish(s, await run(_score, s))  # grading starts as soon as the episode ends
+            _finish(s, await run(_grade, s))  # grading starts as soon as the episode ends
         bar.episode_done(s.ep)
 
     helpers = [asyncio.create_task(sched.serve()), asyncio.create_task(bar.report())]
@@ -316,7 +316,7 @@ def _env_step(s, text):
         return None
 
 
-def _score(s):
+def _grade(s):
     """The outcome reward: graded only when the agent submitted (docs/method.md, 'How a rollout
     ends': a rollout that ran out of budget, turns, format or time gets 0 and is still trained).
     The environment is closed either way; a grading failure is logged and scores 0, with end_reason

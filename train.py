@@ -94,22 +94,22 @@ def make_envs(cfg, step, rank, per_rank, warmup=False, swe_rows=None):
     the SWE task rows, loaded once (check_inputs)."""
     n_tasks = per_rank // cfg.optim.group_size
     if cfg.task.name == "memory":
-        rows = memory_task.make_tasks(n_tasks, seed=(cfg.run.seed * 1_000_003 + step) * 1009 + rank,
-                                      n_keys=cfg.task.memory_keys, n_noise=cfg.task.memory_noise,
-                                      p_short=cfg.optim.warmup_p_short if warmup else cfg.task.memory_p_short,
-                                      max_key_at=cfg.optim.warmup_max_key_at if warmup else cfg.task.memory_max_key_at,
-                                      filler=cfg.task.memory_filler)
+        tasks = memory_task.make_tasks(n_tasks, seed=(cfg.run.seed * 1_000_003 + step) * 1009 + rank,
+                                       n_keys=cfg.task.memory_keys, n_noise=cfg.task.memory_noise,
+                                       p_short=cfg.optim.warmup_p_short if warmup else cfg.task.memory_p_short,
+                                       max_key_at=cfg.optim.warmup_max_key_at if warmup else cfg.task.memory_max_key_at,
+                                       filler=cfg.task.memory_filler)
         make = memory_task.MemoryEnv
     else:
         import swe_task
         start = (step * cfg.optim.rollouts_per_step // cfg.optim.group_size + rank * n_tasks)
-        rows = [swe_rows[(start + i) % len(swe_rows)] for i in range(n_tasks)]
+        tasks = [swe_rows[(start + i) % len(swe_rows)] for i in range(n_tasks)]
         sandbox = swe_task.docker_sandbox_factory() if cfg.task.sandbox == "docker" else \
             swe_task.local_sandbox_factory(isolated=not cfg.task.allow_unisolated)
         make = lambda row: swe_task.SWEEnv(row, sandbox, command_timeout=cfg.task.command_timeout,  # noqa: E731
                                            eval_timeout=cfg.task.eval_timeout)
-    rows = [r for r in rows for _ in range(cfg.optim.group_size)]
-    return [make(r) for r in rows], [r.get("task_id", r.get("instance_id")) for r in rows]
+    tasks = [t for t in tasks for _ in range(cfg.optim.group_size)]
+    return [make(t) for t in tasks], [t.get("task_id", t.get("instance_id")) for t in tasks]
 
 
 def rollout_config(cfg):
@@ -512,14 +512,14 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
     diff = sum(float(((r["old_logprobs"] - r["sampler_logprobs"]).abs() * r["mask"]).sum()) for r in rows)
     # (3) advantages and returns
     with timed(times, "advantage"):
-        sums = advantages(rows, cfg, [r["group_id"] for r in rows]) if rows else {}
+        adv_sums = advantages(rows, cfg, [r["group_id"] for r in rows]) if rows else {}
         if cfg.algorithm.whiten_advantages:  # every rank, rows or not: the statistics are global
             for r, a in zip(rows, whiten_segments([r["advantages"] for r in rows], [r["mask"] for r in rows])):
                 r["advantages"] = a.float()
-    sums = {k: float(fsdp.all_reduce(sums.get(k, 0.0))) for k in ("lambda", "correction", "early_tokens")}
+    adv_sums = {k: float(fsdp.all_reduce(adv_sums.get(k, 0.0))) for k in ("lambda", "correction", "early_tokens")}
     m.update(rollout_metrics(episodes, rows))
-    m["adv/lambda"] = sums["lambda"] / max(m["rollout/trainable_tokens"], 1)
-    m["adv/correction"] = sums["correction"] / max(sums["early_tokens"], 1)
+    m["adv/lambda"] = adv_sums["lambda"] / max(m["rollout/trainable_tokens"], 1)
+    m["adv/correction"] = adv_sums["correction"] / max(adv_sums["early_tokens"], 1)
     m["policy/sampler_logprob_diff"] = float(fsdp.all_reduce(diff)) / max(m["rollout/trainable_tokens"], 1)
     mbs = minibatch_indices(rows, cfg.optim.mini_batches)
     # (4) critic updates (value pre-training: only these for the first steps)
@@ -527,9 +527,9 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
     with timed(times, "critic"), meter.phase("critic"):
         for _ in range(cfg.optim.critic_updates):
             for idx in mbs:
-                sums, stats, sk = optimize(critic, opt_c, rows, idx, value_loss_fn(cfg), cfg, device,
-                                           ("old_values", "returns"))
-                crit.append(sums)
+                mb_sums, stats, sk = optimize(critic, opt_c, rows, idx, value_loss_fn(cfg), cfg, device,
+                                              ("old_values", "returns"))
+                crit.append(mb_sums)
                 crit_steps.append(stats)
                 skipped += sk
     # (5) PPO policy update, normalized by the global trainable-token count
@@ -538,18 +538,18 @@ def train_step(step, cfg, actor, critic, ref, opt_a, opt_c, engine, frozen, code
         with timed(times, "actor"), meter.phase("actor"):
             for _ in range(cfg.optim.ppo_epochs):
                 for idx in mbs:
-                    sums, stats, sk = optimize(actor, opt_a, rows, idx, policy_loss_fn(cfg), cfg, device,
-                                               ("old_logprobs", "advantages")
-                                               + (("ref_logprobs",) if ref is not None else ()))
-                    pol.append(sums)
+                    mb_sums, stats, sk = optimize(actor, opt_a, rows, idx, policy_loss_fn(cfg), cfg, device,
+                                                  ("old_logprobs", "advantages")
+                                                  + (("ref_logprobs",) if ref is not None else ()))
+                    pol.append(mb_sums)
                     pol_steps.append(stats)
                     skipped += sk
         # (6) push the new weights to the rollout engine
         with timed(times, "sync"), meter.phase("sync"):
             push_weights(actor, engine, device)
     # (7) metrics
-    for prefix, sums, steps in (("value", crit, crit_steps), ("policy", pol, pol_steps)):
-        if sums and (reduced := reduce_sums(sums)):   # empty: no rank had a token to train on
+    for prefix, parts, steps in (("value", crit, crit_steps), ("policy", pol, pol_steps)):
+        if parts and (reduced := reduce_sums(parts)):   # empty: no rank had a token to train on
             m.update(finalize_metrics(reduced, prefix))
         for k in ("loss", "grad_norm"):
             vals = [s[k] for s in steps if k in s]
