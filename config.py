@@ -66,7 +66,8 @@ class RolloutConfig:
 
 @dataclass
 class ModelConfig:
-    """The policy model, the rollout engine and the memory plan."""
+    """The policy model, the rollout engine and the memory plan. Engineering knobs: the paper states
+    none of them."""
     path: Annotated[str, tyro.conf.arg(name="model")] = ""
     """Policy checkpoint: Hugging Face id or local path. Empty = build the embedded tiny model."""
     tiny_hidden: int = 128
@@ -113,7 +114,8 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    """The task and its environments."""
+    """The task and its environments. The paper's task is SWE (--preset swe-paper); the memory task
+    is this project's CPU demo, and the sandbox knobs are not stated in the paper."""
     name: Annotated[Literal["memory", "swe"], tyro.conf.arg(name="task")] = "memory"
     """memory: the built-in CPU task (memory_task.py); swe: SWE task rows from `tasks`."""
     tasks: str = ""
@@ -238,19 +240,20 @@ class OptimConfig:
     """Critic-only steps at the start, on rollouts of the initial policy. Paper: 50."""
     warmup_steps: int = 150
     """Supervised warm-up steps before RL (memory task only; 0 = off): the turn format, answering
-    with the key in context, summaries that copy a random line (memory_task.WarmupDemoEngine)."""
+    with the key in context, summaries that copy a random line (memory_task.WarmupDemoEngine).
+    Not in the paper (which starts RL from a trained model): the CPU demo's."""
     warmup_p_short: float = 0.5
-    """Fraction of short episodes in the warm-up."""
+    """Fraction of short episodes in the warm-up. Not in the paper."""
     warmup_max_key_at: int = 2
     """At most this many distractors before the key in warm-up episodes: a varying position makes
-    the answer skill read the key by content, so it also reads a summary."""
+    the answer skill read the key by content, so it also reads a summary. Not in the paper."""
     warmup_lr: float = 3e-3
-    """Adam lr of the warm-up."""
+    """Adam lr of the warm-up. Not in the paper."""
 
 
 @dataclass
 class RunConfig:
-    """The run's folder, seed, checkpoints and exports."""
+    """The run's folder, seed, checkpoints and exports (no paper values)."""
     seed: int = 0
     """Seed of weights and tasks; sampling seeds are seed + rank."""
     out_dir: str = "runs/default"
@@ -273,7 +276,7 @@ class RunConfig:
 
 @dataclass
 class LogConfig:
-    """What a run prints and writes as it goes."""
+    """What a run prints and writes as it goes (no paper values)."""
     log_every: int = 1
     """Every N steps (and at the last), one line to stdout (step, reward, success given compaction,
     compactions, s/step, tokens/s) when stdout is not a terminal; a terminal shows a progress bar."""

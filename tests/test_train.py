@@ -405,3 +405,24 @@ def test_estimators_go_by_name_and_the_papers_letters_are_aliases():
         train.advantages(by_letter, make(estimator=letter), [0, 1, 2])
         train.advantages(by_name, make(estimator=name), [0, 1, 2])
         assert all(torch.equal(a["advantages"], b["advantages"]) for a, b in zip(by_letter, by_name))
+
+
+def test_every_method_knob_names_its_paper_value_or_says_the_paper_is_silent():
+    """Fields of the rollout, algorithm and optimization groups each say "Paper: …" or that the
+    paper does not state it; the other groups say so once, for all their fields."""
+    import re
+    source = open(os.path.join(ROOT, "config.py"), encoding="utf-8").read()
+    groups = re.split(r"^@dataclass\nclass ", source, flags=re.M)[1:]
+    seen, checked = set(), 0
+    for group in groups:
+        name = group.split(":", 1)[0]
+        if name in ("RolloutConfig", "AlgorithmConfig", "OptimConfig"):
+            for field_name, doc in re.findall(r'^    (\w+): [^\n]+\n    """(.*?)"""', group, flags=re.S | re.M):
+                if field_name not in ("summary_instruction", "resume_template"):  # the task's, not flags
+                    assert re.search(r"[Pp]aper", doc), f"{name}.{field_name}: no paper value, no 'not stated'"
+                    checked += 1
+        elif name != "Config":
+            assert re.search(r"paper", group.split('"""')[1]), f"{name}: its docstring does not say"
+        seen.add(name)
+    assert {"RolloutConfig", "AlgorithmConfig", "OptimConfig", "ModelConfig", "TaskConfig"} <= seen
+    assert checked >= 40  # every field of the three groups was read
