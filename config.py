@@ -303,11 +303,15 @@ class Config:
     log: tyro.conf.OmitArgPrefixes[LogConfig] = field(default_factory=LogConfig)
 
 
+# Fields whose flag has another name (cfg.model.path is --model, cfg.task.name is --task), and the
+# task's own texts, which are not flags.
+RENAMED = {"path": "model", "name": "task"}
+NOT_FLAGS = ("summary_instruction", "resume_template")
+
+
 def flag_names(group):
-    """{flag name as a field name (model, task, ...): field name} of one group dataclass."""
-    renamed = {"path": "model", "name": "task"}
-    return {renamed.get(f.name, f.name): f.name for f in fields(group) if f.name not in ("summary_instruction",
-                                                                                          "resume_template")}
+    """{knob name as its flag spells it, with _: field name} of one group dataclass."""
+    return {RENAMED.get(f.name, f.name): f.name for f in fields(group) if f.name not in NOT_FLAGS}
 
 
 def flat(cfg):
