@@ -1,7 +1,7 @@
 """The paper's ablations at CPU scale, on the built-in memory task, with train.py itself.
 
-    python ablations.py --quick          # trained vs frozen summaries and test-time K, 2 seeds (~5 min)
-    python ablations.py                  # the full grid: 5 panels, 5 seeds (~54 min on 2 cores)
+    python ablations.py --quick          # trained vs frozen summaries and test-time K, 2 seeds
+    python ablations.py                  # the full grid: 5 panels, 5 seeds (about an hour on 2 cores)
     python ablations.py --jobs 4         # more runs at once on a bigger machine
     python ablations.py --report-only    # table and figure of the runs finished so far
     python ablations.py --seeds 2 --first-seed 2   # add seeds 2 and 3 to a grid (or split it over machines)
@@ -94,12 +94,11 @@ class Config:
     variants: tuple[str, ...] = ()
     """Run (and report, also from --merge files) only these VARIANTS (names as in the table); empty =
     all, or QUICK with --quick."""
-    steps: int = 25
-    """RL updates per run (the lr decays to 0 over them; base passed 0.9 at updates 14 and 24 on 2 of 5 seeds)."""
-    rollouts_per_step: int = 96
-    """Rollouts per update: fewer than train.py's 128, with which the grid took 60–64 min. A
-    hidden-64 model (`--extra="--tiny-hidden 64 --tiny-heads 2"`) at 2.3× less cost per update
-    stayed near 0.5 for 40 updates (seed 0, with 256 rollouts and 4-token actions)."""
+    steps: int = 20
+    """RL updates per run (the lr decays to 0 over them; the first value_pretrain_steps train the critic only)."""
+    rollouts_per_step: int = 64
+    """Rollouts per update: fewer than train.py's 128, so that 20 paired seeds of PAIRS fit in a few
+    hours of 2 cores; the paired design, not the batch, carries the comparison's precision."""
     warmup_steps: int = 150
     """Supervised warm-up steps, once per seed (train.py --warmup-steps)."""
     jobs: int = 2
@@ -362,7 +361,8 @@ def main(cfg):
         name, s = job
         flags = ["--model", os.path.join(warm[s], "hf"), "--warmup-steps", "0", "--steps", str(cfg.steps)]
         flags += VARIANTS[name][1] + ([] if name == "base" else ["--no-export-hf"])  # base: for test-time K
-        after = (lambda d: evaluate_run(d, s, cfg.eval_rollouts, cfg.extra.split())) if name == "base" else None
+        evaluated = name == "base" and s < cfg.first_seed + cfg.eval_seeds  # test-time K: the first seeds only
+        after = (lambda d: evaluate_run(d, s, cfg.eval_rollouts, cfg.extra.split())) if evaluated else None
         run(run_dir(root, name, s), train_cmd(run_dir(root, name, s), s, flags, cfg), after)
 
     if not cfg.report_only:
