@@ -38,12 +38,12 @@ from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 
+from config import RolloutConfig  # noqa: E402
+from engine import HFEngine  # noqa: E402
 from env import Step  # noqa: E402
 from model import ChatCodec, build_tiny_model, load_policy, load_tokenizer  # noqa: E402
-from train import tiny_corpus  # noqa: E402
-from engine import HFEngine  # noqa: E402
-from config import RolloutConfig  # noqa: E402
 from rollout import run_episodes  # noqa: E402
+from train import tiny_corpus  # noqa: E402
 
 
 @dataclass

@@ -30,8 +30,8 @@ import torch  # noqa: E402
 import config  # noqa: E402
 import memory_task  # noqa: E402
 import train  # noqa: E402
-from model import ChatCodec, build_tiny_model, load_policy, load_tokenizer  # noqa: E402
 from engine import HFEngine  # noqa: E402
+from model import ChatCodec, build_tiny_model, load_policy, load_tokenizer  # noqa: E402
 from rollout import run_episodes  # noqa: E402
 
 

@@ -38,8 +38,8 @@ Where we depart from the paper's evaluation:
   as its training reward is 0 (docs/method.md, 'How a rollout ends'); --grade-unsubmitted grades its
   final state, as Harbor does.
 * Sampling is plain softmax(logits / T), no top-p/top-k, as in training.
-* Instances run in lock-step batches of `workers` (one engine call per turn for the batch), so a
-  batch lasts as long as its slowest episode; resuming skips whole finished instances only.
+* Instances run in chunks of `workers` (their episodes concurrent, each at its own pace), so a
+  chunk lasts as long as its slowest episode; resuming skips whole finished instances only.
 * Pass@1 is over the instances evaluated (the paper: a random 200 of the 500), not over 500.
 """
 import hashlib
@@ -63,8 +63,8 @@ from tqdm import tqdm
 
 import report
 import swe_task
-from engine import make_engine
 from config import RolloutConfig, check_rollout, max_model_len
+from engine import make_engine
 from model import ChatCodec, build_tiny_model, load_tokenizer
 from rollout import format_episode, run_episodes
 from rundir import ensure_tiny_model
@@ -141,7 +141,9 @@ class Config:
     """--mode local: run agent commands as plain processes when bubblewrap cannot isolate them. Off:
     the evaluation stops before loading the model, naming the fix (`apt-get install bubblewrap`)."""
     workers: int = 8
-    """Episodes run together (one batched engine call per turn), and sandbox threads."""
+    """Instances per chunk: their episodes run together (each at its own pace, the environments on
+    --env-workers threads), then their patches are graded on this many threads. A chunk lasts as
+    long as its slowest episode."""
     harness_workers: int = 4
     """Containers the official harness runs at once (--max_workers; it advises < 0.75 · cores)."""
     # --- run ------------------------------------------------------------------------------------

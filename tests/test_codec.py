@@ -11,8 +11,8 @@ import pytest
 import memory_task
 from compaction import SUMMARY_INSTRUCTION, resume_text
 from model import SPECIAL_TOKENS, ChatCodec, build_tiny_model, load_tokenizer
-from train import tiny_corpus
 from rollout import clip_tokens
+from train import tiny_corpus
 
 CHATML_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen2.5's template without tools: a default system message, then one ChatML turn per message

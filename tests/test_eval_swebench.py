@@ -24,12 +24,12 @@ import eval_swebench as ev
 import report
 from conftest import bwrap_isolates, require_docker_images
 from env import SUBMIT_SENTINEL
-from sandbox import SandboxError
 from model import build_tiny_model, load_tokenizer
-from train import tiny_corpus
 from rollout import format_episode
+from sandbox import SandboxError
 from scripted import ScriptedAgent, gold_agent, gold_script, submit_script
 from swe_task import BUILTIN_TASKS_FILE, load_tasks
+from train import tiny_corpus
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 ROWS = {r["instance_id"]: r for r in load_tasks()}

@@ -10,12 +10,12 @@ import re
 import pytest
 import torch
 
-from engine import Generation
 from config import RolloutConfig
+from engine import Generation
 from model import ChatCodec, build_tiny_model, load_policy, load_tokenizer, token_logprobs
-from train import tiny_corpus
 from rollout import run_episodes
 from test_docs import ROOT, defined_names
+from train import tiny_corpus
 
 DOC = os.path.join(ROOT, "docs", "extending.md")
 BLOCK = re.compile(r"```python\n(# docs/extending\.md: example (\w+)\n.*?)```", re.S)

@@ -5,10 +5,10 @@ Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_memory_task.py
 import pytest
 
 import memory_task
-from model import ChatCodec, build_tiny_model, load_tokenizer
-from train import tiny_corpus
 from config import RolloutConfig
+from model import ChatCodec, build_tiny_model, load_tokenizer
 from rollout import run_episodes
+from train import tiny_corpus
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 import batch
+from engine import HFEngine
 from model import (PACKED_ATTENTION, Actor, ChatCodec, Critic, LogProbHead, build_tiny_model, export_pretrained,
                    hf_config, load_policy, load_tokenizer, token_logprobs)
 from train import tiny_corpus
-from engine import HFEngine
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 

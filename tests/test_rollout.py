@@ -11,11 +11,11 @@ import torch
 import batch
 import memory_task
 from compaction import resume_text
-from model import ChatCodec, build_tiny_model, load_policy, load_tokenizer, token_logprobs
-from train import tiny_corpus
-from engine import Generation, GumbelNoise, HFEngine
 from config import RolloutConfig
+from engine import Generation, GumbelNoise, HFEngine
+from model import ChatCodec, build_tiny_model, load_policy, load_tokenizer, token_logprobs
 from rollout import clip_tokens, format_episode, run_episodes
+from train import tiny_corpus
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,9 @@ import torch
 import rundir
 from metrics import Logger, json_line, plot_curve, read_metrics
 from model import build_tiny_model, load_policy
-from train import tiny_corpus
 from swe_task import load_tasks
 from tests.test_train import ROOT, SMALL
+from train import tiny_corpus
 
 BWRAP = shutil.which("bwrap")
 needs_bwrap = pytest.mark.skipif(BWRAP is None, reason="bubblewrap (bwrap) is not installed")

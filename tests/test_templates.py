@@ -9,10 +9,10 @@ Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_templates.py
 """
 import pytest
 
+from config import RolloutConfig
+from engine import Generation
 from env import Step, parse_action, split_reasoning
 from model import ChatCodec
-from engine import Generation
-from config import RolloutConfig
 from rollout import run_episodes
 from tests.chat_families import FAMILIES, VARIANTS, family_tokenizer
 

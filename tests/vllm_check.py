@@ -15,12 +15,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fsdp  # noqa: E402
 import memory_task  # noqa: E402
+from config import RolloutConfig  # noqa: E402
+from engine import HFEngine  # noqa: E402
 from model import (Actor, ChatCodec, build_tiny_model, hf_config, load_policy, load_tokenizer,  # noqa: E402
                    rope_overrides)
-from train import tiny_corpus  # noqa: E402
-from engine import HFEngine  # noqa: E402
-from config import RolloutConfig  # noqa: E402
 from rollout import run_episodes  # noqa: E402
+from train import tiny_corpus  # noqa: E402
 from vllm_engine import VLLMEngine  # noqa: E402
 
 T = 0.7  # sampling temperature ≠ 1: the log-probs must be those of softmax(logits / T)
