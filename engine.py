@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from model import hf_config, load_policy, rope_overrides
+
 
 @dataclass
 class Generation:
@@ -140,13 +142,11 @@ def make_engine(kind, model_path, pad_token_id, device, seed=0, max_model_len=No
     if kind == "vllm":
         from transformers import AutoConfig
 
-        from model import rope_overrides
-        from vllm_engine import VLLMEngine
+        from vllm_engine import VLLMEngine  # optional: vllm need not be installed
         opts = {k: v for k, v in (("kv_cache_bytes", kv_cache_bytes), ("memory_fraction", memory_fraction),
                                   ("dtype", dtype)) if v is not None}
         return VLLMEngine(model_path, max_model_len=max_model_len, seed=seed,
                           hf_overrides=rope_overrides(AutoConfig.from_pretrained(model_path), rope_scaling),
                           **opts)
-    from model import hf_config, load_policy
     return HFEngine(load_policy(model_path, dtype=getattr(torch, dtype or "float32"), device=device,
                                 config=hf_config(model_path, rope_scaling)), pad_token_id)

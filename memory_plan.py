@@ -37,6 +37,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+import fsdp
+
 GiB = 2**30
 PHASES = ("rollout", "score", "critic", "actor", "sync")
 MARGIN = 0.08
@@ -96,8 +98,6 @@ def model_shapes(hf_cfg):
     """Shapes of the model `hf_cfg` describes: the actor and the critic's backbone are built on the
     meta device, so an 8B config costs no memory."""
     from transformers import AutoModelForCausalLM
-
-    import fsdp
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(hf_cfg)
     layers = fsdp.decoder_layers(lm)

@@ -31,6 +31,7 @@ import sys
 import torch
 
 from advantage import correction_factor, segment_gae
+from metrics import read_records as read_metrics_records
 from rollout import Episode, Segment
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -185,7 +186,6 @@ def spread(items, n):
 
 def run_data(run_dir, name, max_dumps=MAX_DUMPS):
     """What a page holds of one training run: its curves (metrics.jsonl), config and dumps."""
-    from metrics import read_records as read_metrics_records
     path = os.path.join(run_dir, "metrics.jsonl")
     records = read_metrics_records(path) if os.path.exists(path) else []
     curves = {key: [[r["step"], r.get(key)] for r in records if key in r] for key, _ in CURVES}
