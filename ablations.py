@@ -212,7 +212,8 @@ def table(curves, evals):
         for k in EVAL_K:
             cells = ["{:.2f} ± {:.2f}".format(*mean_sd(evals[f"{t}/K={k}"])) for t in EVAL_TASKS]
             lines.append(f"| {k} | " + " | ".join(cells) + " |")
-        lines.append("\n(success of the base policy, trained with K = 3 on the short task; mean ± sd over seeds)")
+        n = len(evals[f"short/K={EVAL_K[0]}"])
+        lines.append(f"\n(success of the base policy, trained with K = 3 on the short task; mean ± sd over {n} seeds)")
     return "\n".join(lines) + "\n\nsuccess = rollout/success_given_compaction (mean of the last 5 updates for the final).\n"
 
 
@@ -258,7 +259,7 @@ def results(root, names, seeds, eval_rollouts, extra=(), eval_seeds=5):
     evals = {}
     if "base" in names:  # per seed, then regrouped as {"<task>/K=<k>": [success per seed]}
         per_seed = [evaluate_run(run_dir(root, "base", s), s, eval_rollouts, extra)
-                    for s in finished["base"][:eval_seeds]]
+                    for s in finished["base"] if s < seeds[0] + eval_seeds]  # the seeds main's rl() evaluated
         evals = {key: [e[key] for e in per_seed] for key in per_seed[0]} if per_seed else {}
     return {"curves": {n: [curve(run_dir(root, n, s)) for s in finished[n]] for n in names},
             "seeds": {n: finished[n] for n in names}, "test_time_k": evals,
@@ -281,7 +282,7 @@ def paired_table(res):
     """Markdown: for each contrast of PAIRS with both variants run on 2+ common seeds, the mean
     paired difference A − B (success over the whole run, and final) with its 95 % bootstrap CI,
     and the eq.-14 factor each variant logged."""
-    lines = ["| contrast | success | seeds | mean A − B | 95 % CI | reading | eq.-14 factor A / B |",
+    lines = ["| contrast | success | seeds | mean A − B | 95 % CI | reading | eq.-14 factor logged, A / B |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for label, a, b in PAIRS:
         if a not in res["curves"] or b not in res["curves"]:
@@ -290,7 +291,8 @@ def paired_table(res):
         common = sorted(set(ca) & set(cb))
         if len(common) < 2:
             continue
-        fa, fb = (statistics.mean(res.get("correction", {}).get(n, [float("nan")])) for n in (a, b))
+        factor = {n: dict(zip(res["seeds"][n], res.get("correction", {}).get(n, []))) for n in (a, b)}
+        fa, fb = (statistics.mean([factor[n].get(s, float("nan")) for s in common]) for n in (a, b))
         for what, f in (("mean over the run", statistics.mean), ("final (last 5)", lambda c: statistics.mean(c[-5:]))):
             m, low, high = bootstrap_ci([f(ca[s]) - f(cb[s]) for s in common])
             reading = "excludes 0" if low > 0 or high < 0 else f"|effect| ≤ {max(abs(low), abs(high)):.3f}"

@@ -64,8 +64,7 @@ def run(name, work):
         raise RuntimeError(f"{name}: train.py failed\n{p.stderr[-3000:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         last = [json.loads(line) for line in f][-1]
-    import tyro
-    cfg = tyro.cli(train.Config, args=args[1:])
+    cfg = train.parse_config(args[1:])
     bound = train.memory_setup(cfg, ranks, gpu=False)
     shapes = memory_plan.model_shapes(hf_config(model))
     pairs = memory_plan.metered(shapes, bound, last)
@@ -73,7 +72,7 @@ def run(name, work):
     print(f"\n{name}: {ranks} rank(s), {shapes.params / 1e6:.1f}M-parameter actor, longest window "
           f"{last['batch/longest_window']:.0f}, largest micro-batch {last['batch/micro_batch_tokens']:.0f} tokens, "
           f"activation checkpointing "
-          f"{'on' if cfg.activation_checkpointing else 'off'}, torch {torch.__version__}")
+          f"{'on' if cfg.model.activation_checkpointing else 'off'}, torch {torch.__version__}")
     print(f"{'phase':<8} {'measured':>9} {'planned':>9} {'ratio':>6} {'bound':>9}   (GiB)")
     ratios = {}
     for p, (measured, planned) in pairs.items():

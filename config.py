@@ -13,6 +13,8 @@ from compaction import SUMMARY_INSTRUCTION
 # The paper's letters for the estimators, and the names flags, config.json and train.py use.
 ESTIMATORS = {"P": "cross-trajectory", "E": "concatenated", "N": "per-segment", "G": "group"}
 
+Estimator = Literal["cross-trajectory", "concatenated", "per-segment", "group", "P", "E", "N", "G"]
+
 # Tokens past C + observation + summary that the longest sequence may hold when the tokenizer is
 # not at hand: q_sum's message and the chat template's glue.
 GLUE_TOKENS = 1024
@@ -157,8 +159,7 @@ class TaskConfig:
 @dataclass
 class AlgorithmConfig:
     """Advantages, returns and losses (docs/method.md, 'Advantages' and 'Losses')."""
-    estimator: Literal["cross-trajectory", "concatenated", "per-segment", "group", "P", "E", "N", "G"] = \
-        "cross-trajectory"
+    estimator: Estimator = "cross-trajectory"
     """cross-trajectory: per-window GAE with the eq.-14 correction (the paper's estimator, its P);
     concatenated: one GAE over the rollout's windows end to end (E); per-segment: naive GAE per
     window, each ending in R (N); group: group-relative R − mean of the task's group (G). The
@@ -422,6 +423,7 @@ def check_rollout(r):
         "max_action_tokens must fit in the reserve that eq. 7 keeps free (a response always fits)"
     assert r.max_compactions >= 0 and r.max_turns >= 1 and r.keep_last >= 0, \
         "need max_compactions >= 0, max_turns >= 1, keep_last >= 0"
+    assert r.max_action_tokens >= 1 and r.max_summary_tokens >= 1, "need max_action_tokens, max_summary_tokens >= 1"
     assert r.env_workers >= 1 and r.episode_seconds >= 0, "need env_workers >= 1 and episode_seconds >= 0"
 
 

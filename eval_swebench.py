@@ -63,9 +63,9 @@ from tqdm import tqdm
 
 import report
 import swe_task
-from config import RolloutConfig, check_rollout, max_model_len
+from config import GLUE_TOKENS, RolloutConfig, check_rollout, max_model_len
 from engine import make_engine
-from model import ChatCodec, build_tiny_model, load_tokenizer
+from model import ChatCodec, build_tiny_model, hf_config, load_tokenizer
 from rollout import format_episode, run_episodes
 from rundir import ensure_tiny_model
 from sandbox import DiffError, check_docker_images, check_isolation
@@ -469,8 +469,13 @@ def load_model(cfg):
                           partial(build_tiny_model, corpus=tiny_corpus()))
     tokenizer = load_tokenizer(model_path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    longest, positions = cfg.max_model_len or max_model_len(cfg.rollout), hf_config(model_path).max_position_embeddings
+    if longest > positions:   # past its positions RoPE fails in vLLM and degrades silently in transformers
+        raise ValueError(f"the longest sequence, {longest} tokens (--max-model-len, or --context-budget + "
+                         f"--max-observation-tokens + --max-summary-tokens + {GLUE_TOKENS}), is past "
+                         f"{model_path}'s {positions} positions: lower those flags")
     engine = make_engine(cfg.engine, model_path, pad, "cuda" if torch.cuda.is_available() else "cpu",
-                         seed=cfg.seed, max_model_len=cfg.max_model_len or max_model_len(cfg.rollout),
+                         seed=cfg.seed, max_model_len=longest,
                          kv_cache_bytes=int(cfg.kv_cache_gib * 2**30) if cfg.kv_cache_gib else None)
     return engine, tokenizer
 
@@ -515,7 +520,9 @@ def main(cfg, engine=None, tokenizer=None):
                 outcomes = run_harness(rows, run_dir, model_name, cfg.harness_workers, cfg.eval_timeout)
             results[k].append(run_stats(records, outcomes))
     with open(os.path.join(cfg.out_dir, "summary.json"), "w", encoding="utf-8") as f:
-        json.dump({"config": asdict(cfg), "model_name": model_name, "dataset": dataset,
+        config = asdict(cfg)
+        del config["rollout"]["max_compactions"]  # K is the list cfg.max_compactions
+        json.dump({"config": config, "model_name": model_name, "dataset": dataset,
                    "results": {f"K{k}": runs for k, runs in results.items()}}, f, indent=1)
     table = format_table(results)
     page = report.write_eval_report(cfg.out_dir, {f"×{k + 1} run {r}": os.path.join(cfg.out_dir, f"K{k}", f"run{r}")

@@ -41,7 +41,7 @@ SHAPES = {False: dict(hidden_size=1024, num_hidden_layers=28, num_attention_head
                       head_dim=128, intermediate_size=3072, vocab_size=151936),
           True: dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=32, intermediate_size=512, vocab_size=4096)}
-# window = C + observation cap + summary cap + 1024 (train.max_model_len): 16384, or 2048 tiny
+# window = C + observation cap + summary cap + 1024 (config.max_model_len): 16384, or 2048 tiny
 FLAGS = {False: ["--context-budget", "14272", "--memory-filler", "500", "--memory-noise", "30",
                  "--rollouts-per-step", "8", "--micro-batch-tokens", "16384"],
          True: ["--context-budget", "896", "--max-observation-tokens", "64", "--memory-filler", "20",
@@ -94,6 +94,7 @@ def main(cfg):
     sys.path.insert(0, ROOT)
     import memory_plan
     import train
+    from config import max_model_len
     from model import hf_config
     t_start = time.time()
     shutil.rmtree(cfg.out_dir, ignore_errors=True)
@@ -114,7 +115,7 @@ def main(cfg):
     bound = memory_plan.peaks(memory_plan.plan(shapes, setup)[0], setup)
     device = torch.cuda.get_device_name() if gpu else "CPU"
     print(f"{device}, torch {torch.__version__}; {shapes.params / 1e6:.0f}M-parameter Qwen3-shaped model, "
-          f"window {train.max_model_len(c.rollout)} tokens, bf16 {'on' if setup.mixed_precision else 'off'}, "
+          f"window {max_model_len(c.rollout)} tokens, bf16 {'on' if setup.mixed_precision else 'off'}, "
           f"activation checkpointing on; 3 steps in {t_run:.0f} s, the resumed step in {t_resume:.0f} s")
     print(f"{'step':<5}{'phase':<9}{'measured':>10}{'planned':>10}{'ratio':>7}{'bound':>10}   (GiB; planned at the "
           f"step's sizes, bound for the flags; " + ("allocator peaks, runtime excluded)" if gpu else

@@ -123,7 +123,7 @@ class Setup:
     mixed_precision: bool  # bf16 compute (GPU only)
     engine: str  # "vllm" or "hf"
     window: int  # T: tokens of the longest micro-batch
-    longest: int  # tokens of the longest sequence (train.max_model_len)
+    longest: int  # tokens of the longest sequence (config.max_model_len)
     episodes: int  # rollouts per rank (HFEngine generates for all of them at once)
     kv_cache_bytes: int  # vLLM's KV cache
     max_new_tokens: int  # longest generation (HFEngine keeps its logits)

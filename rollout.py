@@ -296,7 +296,7 @@ def clip_tokens(codec, text, max_tokens):
 
     Why: the observation that closes a window may push it past C (the trigger is checked after
     the step); capping it bounds the longest prompt the engine ever sees to
-    C + max_observation_tokens + |q_sum| + max_summary_tokens (see train.max_model_len)."""
+    C + max_observation_tokens + |q_sum| + max_summary_tokens (see config.max_model_len)."""
     ids = codec.encode_text(text)
     if len(ids) <= max_tokens:
         return text
