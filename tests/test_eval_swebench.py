@@ -39,7 +39,7 @@ A, B = "local__inventory-1", "local__textkit-1"
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny"))
-    build_tiny_model(path, tiny_corpus())
+    build_tiny_model(path, tiny_corpus(), max_positions=8192)  # as eval_swebench builds its own: room for C + caps
     return path, load_tokenizer(path)
 
 
@@ -360,3 +360,10 @@ def test_docker_mode_can_grade_in_the_projects_own_sandbox(tok, tmp_path):
     (empty,) = ev.main(docker_config(tmp_path / "empty", grader="sandbox"),
                        engine=ScriptedAgent(tok, list(ROWS.values()), submit_script), tokenizer=tok)[0]
     assert empty["pass@1"] == 0.0, empty
+
+
+def test_a_model_whose_positions_end_before_the_longest_sequence_is_refused(tmp_path):
+    path = build_tiny_model(str(tmp_path / "short"), tiny_corpus(), max_positions=2048)
+    cfg = eval_config(model=path, context_budget=1024, reserve=96, max_action_tokens=48, out_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"3328 tokens .* past .*'s 2048 positions"):
+        ev.load_model(cfg)
