@@ -299,9 +299,11 @@ class Config:
     task: tyro.conf.OmitArgPrefixes[TaskConfig] = field(default_factory=TaskConfig)
     rollout: tyro.conf.OmitArgPrefixes[RolloutConfig] = field(default_factory=RolloutConfig)
     algorithm: tyro.conf.OmitArgPrefixes[AlgorithmConfig] = field(default_factory=AlgorithmConfig)
-    optim: tyro.conf.OmitArgPrefixes[OptimConfig] = field(default_factory=OptimConfig)
+    optim: Annotated[tyro.conf.OmitArgPrefixes[OptimConfig], tyro.conf.arg(name="optimization")] = \
+        field(default_factory=OptimConfig)  # the name titles its --help box
     run: tyro.conf.OmitArgPrefixes[RunConfig] = field(default_factory=RunConfig)
-    log: tyro.conf.OmitArgPrefixes[LogConfig] = field(default_factory=LogConfig)
+    log: Annotated[tyro.conf.OmitArgPrefixes[LogConfig], tyro.conf.arg(name="logging")] = \
+        field(default_factory=LogConfig)
 
 
 # Fields whose flag has another name (cfg.model.path is --model, cfg.task.name is --task), and the

@@ -260,6 +260,8 @@ def test_task_swe_alone_picks_the_swe_preset_and_flags_override_presets():
     usage = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True,
                            timeout=120, env={**os.environ, "COLUMNS": "200"})
     assert usage.returncode == 0 and all(f"  {name}: " in usage.stdout for name in PRESETS), usage.stdout
+    groups = ("model", "task", "rollout", "algorithm", "optimization", "run", "logging")
+    assert all(f"─ {g} options ─" in usage.stdout for g in groups), usage.stdout  # one --help box per group
     shown = subprocess.run([sys.executable, "train.py", "--task", "swe", "--help"], cwd=ROOT, capture_output=True,
                            text=True, timeout=120, env={**os.environ, "COLUMNS": "200"}).stdout
     assert "(default: 2048)" in shown   # --help shows the preset's values as the defaults
