@@ -295,7 +295,7 @@ def paired_table(res):
         fa, fb = (statistics.mean([factor[n].get(s, float("nan")) for s in common]) for n in (a, b))
         for what, f in (("mean over the run", statistics.mean), ("final (last 5)", lambda c: statistics.mean(c[-5:]))):
             m, low, high = bootstrap_ci([f(ca[s]) - f(cb[s]) for s in common])
-            reading = "excludes 0" if low > 0 or high < 0 else f"|effect| ≤ {max(abs(low), abs(high)):.3f}"
+            reading = "excludes 0" if low > 0 or high < 0 else f"within ±{max(abs(low), abs(high)):.3f}"
             lines.append(f"| {label} | {what} | {len(common)} | {m:+.3f} | [{low:+.3f}, {high:+.3f}] | "
                          f"{reading} | {fa:.2f} / {fb:.2f} |")
     return "\n".join(lines) + "\n"

@@ -44,7 +44,7 @@ def test_paired_table_pairs_seeds_and_reads_the_interval():
     assert len(rows) == 4  # two contrasts (long and normalizer not run), two measures each
     trained_vs_frozen = rows[0].split(" | ")
     assert trained_vs_frozen[2] == "3" and trained_vs_frozen[3] == "+0.250" and trained_vs_frozen[5] == "excludes 0"
-    assert "|effect| ≤ 0.000" in rows[2] and "0.90 / 0.90" in rows[2]  # P and N identical here
+    assert "within ±0.000" in rows[2] and "0.90 / 0.90" in rows[2]  # P and N identical here
 
 
 def test_an_interrupted_run_resumes_from_a_checkpoint_or_starts_over(tmp_path):
