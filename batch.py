@@ -94,17 +94,14 @@ def pack_micro_batches(lengths, max_tokens):
     no micro-batch is a small remainder. Each micro-batch lists its rows in index order."""
     if not lengths:
         return []
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties by index
     long = sum(n > max_tokens for n in lengths)
     k = long + max(1, -(-sum(n for n in lengths if n <= max_tokens) // max_tokens))
-    while True:
-        bins = balance_groups([lengths[i] for i in order], k, max_tokens)
-        if bins is not None:
-            out = [[] for _ in range(k)]
-            for i, b in zip(order, bins):
-                out[b].append(i)
-            return [sorted(mb) for mb in out if mb]
+    while (bins := balance_groups(lengths, k, max_tokens)) is None:
         k += 1
+    out = [[] for _ in range(k)]
+    for i, b in enumerate(bins):  # in index order
+        out[b].append(i)
+    return [mb for mb in out if mb]
 
 
 def balance_groups(sizes, n_bins, capacity=None):

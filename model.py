@@ -248,17 +248,19 @@ class LogProbHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, bias, targets, temperature, chunk_size, entropy, save_softmax):
-        lps, ents, saved = [], [], []
+        lps, ents, saved = [], [], None
         for s in range(0, len(targets), chunk_size):
             logp = _chunk_log_softmax(h[s:s + chunk_size], weight, bias, temperature)  # (c, V)
             lps.append(logp.gather(-1, targets[s:s + chunk_size, None])[:, 0])
             if entropy != "none":
                 ents.append(-(logp.exp() * logp).sum(-1))
-            if save_softmax:
-                saved.append(logp)
+            if save_softmax:  # written into one (N, V) buffer: no second copy from a final cat
+                if saved is None:
+                    saved = logp.new_empty(len(targets), logp.shape[-1])
+                saved[s:s + chunk_size] = logp
         lp = torch.cat(lps) if lps else h.new_zeros(0, dtype=torch.float32)
         ent = torch.cat(ents) if ents else torch.zeros_like(lp)
-        ctx.save_for_backward(h, weight, bias, targets, *([torch.cat(saved)] if saved else []))
+        ctx.save_for_backward(h, weight, bias, targets, *([saved] if saved is not None else []))
         ctx.temperature, ctx.chunk_size, ctx.entropy = temperature, chunk_size, entropy
         if entropy != "loss":
             ctx.mark_non_differentiable(ent)
