@@ -202,6 +202,9 @@ class AlgorithmConfig:
     mask_truncated: bool = False
     """SUPO-style overlong masking: no loss on rollouts that ran out of budget. Paper: off."""
 
+    def __post_init__(self):  # a paper letter is read as its name, however the config is built
+        self.estimator = ESTIMATORS.get(self.estimator, self.estimator)
+
 
 @dataclass
 class OptimConfig:
@@ -374,9 +377,8 @@ PRESETS = {
 
 def preset_help():
     """The presets and how each differs from the memory defaults, for --help."""
-    base, lines = PRESETS["memory"][1], ["Presets (--preset NAME; --task swe alone means --preset swe):"]
+    base_values, lines = flat(PRESETS["memory"][1]), ["Presets (--preset NAME; --task swe alone means --preset swe):"]
     for name, (what, cfg) in PRESETS.items():
-        base_values = flat(base)
         changed = [flag_text(key, value) for key, value in flat(cfg).items()
                    if key != "preset" and value != base_values[key]]
         lines.append(f"  {name}: {what}." + (f" Sets {' '.join(changed)}." if changed else ""))
@@ -406,8 +408,7 @@ def parse_config(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     name = flag_value(argv, "--preset") or ("swe" if flag_value(argv, "--task") == "swe" else "memory")
     default = PRESETS.get(name, PRESETS["memory"])[1]   # an unknown name: tyro names the choices
-    cfg = tyro.cli(Config, args=argv, default=replace(default), description=preset_help())
-    return override(cfg, estimator=ESTIMATORS.get(cfg.algorithm.estimator, cfg.algorithm.estimator))
+    return tyro.cli(Config, args=argv, default=replace(default), description=preset_help())
 
 
 def max_model_len(r, glue=GLUE_TOKENS):
@@ -438,8 +439,7 @@ def finalize(cfg, world):
     per_rank = o.rollouts_per_step // world
     assert per_rank % o.group_size == 0, \
         f"rollouts per rank ({per_rank}) must be a multiple of group_size ({o.group_size}): groups stay on one rank"
-    estimator = ESTIMATORS.get(a.estimator, a.estimator)
-    assert estimator != "group" or o.group_size > 1, "the group estimator (G) needs group_size > 1"
+    assert a.estimator != "group" or o.group_size > 1, "the group estimator (G) needs group_size > 1"
     assert t.name == PRESETS[cfg.preset][1].task.name, \
         f"--preset {cfg.preset} is for --task {PRESETS[cfg.preset][1].task.name}, not --task {t.name}"
     assert o.warmup_steps == 0 or t.name == "memory", \

@@ -41,7 +41,7 @@ from advantage import (adaptive_lambda, concatenated_gae, correction_factor, cro
                        group_advantage, rollout_lengths, segment_gae, whiten_segments)
 from batch import assign_groups, micro_batches, minibatch_indices, pack_micro_batches, pad, to_rows, unpack
 from compaction import RESUME_WITH_TASK, SUMMARY_INSTRUCTION
-from config import ESTIMATORS, GLUE_TOKENS, Config, finalize, flat, max_model_len, parse_config
+from config import GLUE_TOKENS, Config, finalize, flat, max_model_len, parse_config
 from engine import make_engine
 from loss import finalize_metrics, normalizer_weights, ppo_policy_loss, value_loss
 from metrics import (Logger, explained_variance, merge_sums, plot_curve, reduce_sums, rollout_metrics,
@@ -312,7 +312,7 @@ def advantages(rows, cfg, group_ids):
     else:
         length = total if cfg.algorithm.lam_mode == "rollout" else mask.sum(1)
         lam = adaptive_lambda(length, cfg.algorithm.lam_alpha)  # (B,) one λ per rollout (or per segment)
-    estimator = ESTIMATORS.get(cfg.algorithm.estimator, cfg.algorithm.estimator)  # a letter, or its name
+    estimator = cfg.algorithm.estimator
     if estimator == "cross-trajectory":
         adv, ret = cross_trajectory_gae(values, mask, rewards, n_after, cfg.algorithm.gamma, lam)
     elif estimator == "concatenated":
