@@ -117,6 +117,9 @@ def run_episodes(engine, codec, envs, cfg, rollout_ids, task_ids, group_ids=None
     episodes have a request in, like a loop that advances them one turn at a time.
     progress: a bar on a terminal, else a line every 30 s (scheduler.Progress)."""
     group_ids = group_ids if group_ids is not None else rollout_ids
+    if cfg.reserve <= len(codec.gen_prompt):  # else a window below the trigger could lack room for an action
+        raise ValueError(f"reserve ({cfg.reserve}) must exceed the generation prompt's {len(codec.gen_prompt)} "
+                         f"tokens: eq. 7 keeps it free for the next response")
     states = [_Live(Episode(*a), env) for a, env in zip(zip(rollout_ids, task_ids, group_ids), envs)]
     window = max_model_len(cfg, glue=len(codec.message({"role": "user", "content": cfg.summary_instruction}))
                            + len(codec.gen_prompt))
@@ -187,7 +190,7 @@ async def _episode(s, sched, engine, summarizer, train_summaries, codec, cfg, ru
     s.seg = Segment(prompt_ids=codec.prompt(messages), rollout_id=s.ep.rollout_id)
 
     async def turns():
-        while not (reason := _limit(s, cfg)):
+        while not (reason := _limit(s, cfg, len(codec.gen_prompt))):
             if s.steps and should_compact(s.used, cfg.context_budget, cfg.reserve) \
                     and can_compact(s.ep.compactions, cfg.max_compactions):
                 await _compact(s, sched, summarizer, codec, cfg, base_seed, train_summaries)
@@ -216,7 +219,7 @@ def _end(s, reason):
     s.ep.segments.append(s.seg)
 
 
-def _limit(s, cfg):
+def _limit(s, cfg, gen_prompt_tokens):
     """Why the episode must end before its next turn, or "" to go on."""
     if s.ep.turns >= cfg.max_turns:
         return "max_turns"
@@ -225,8 +228,9 @@ def _limit(s, cfg):
     if not can_compact(s.ep.compactions, cfg.max_compactions):
         # K spent: no summary is left to write, so the reserve T_comp that keeps room for one
         # is the window's too; it runs on until its whole budget C is used (each action capped
-        # by the room left; _act ends it when no action token fits). Reward 0, still trained.
-        return "budget_exhausted" if s.used >= cfg.context_budget else ""
+        # by the room left), until not one action token fits after the generation prompt.
+        # Reward 0, still trained.
+        return "budget_exhausted" if s.used + gen_prompt_tokens >= cfg.context_budget else ""
     if should_compact(s.used, cfg.context_budget, cfg.reserve) and not s.steps:
         return "context_overflow"  # nothing to summarize: the prompt alone is too long
     return ""
@@ -266,10 +270,7 @@ async def _compact(s, sched, engine, codec, cfg, base_seed, trainable=True):
 
 async def _act(s, sched, engine, codec, cfg, run, base_seed):
     """One action, then the environment's step (in the pool) and its observation."""
-    room = min(cfg.max_action_tokens, cfg.context_budget - s.used - len(codec.gen_prompt))
-    if room < 1:  # K spent and not one action token fits: the window is full
-        _end(s, "budget_exhausted")
-        return
+    room = min(cfg.max_action_tokens, cfg.context_budget - s.used - len(codec.gen_prompt))  # >= 1 (_limit)
     g = await _generate(s, sched, engine, s.seg.ids + codec.gen_prompt, room, base_seed)
     if s.seg.response_ids:
         s.seg.append(codec.gen_prompt, "observation")

@@ -148,6 +148,13 @@ def test_after_k_compactions_the_window_uses_its_whole_budget(tiny):
     assert len(ep.segments[-1].ids) >= 56 - len(codec.gen_prompt)
 
 
+def test_a_reserve_without_room_for_an_action_is_refused(tiny):
+    """Below the trigger a window must still fit G and one action token (eq. 7's reserve)."""
+    tok, codec, _ = tiny
+    with pytest.raises(ValueError, match="reserve .* must exceed the generation prompt"):
+        run(tok, codec, [row()], config(reserve=len(codec.gen_prompt), max_action_tokens=1))
+
+
 def test_bad_summary_loses_the_key(tiny):
     tok, codec, _ = tiny
 
