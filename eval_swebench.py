@@ -65,7 +65,7 @@ import report
 import swe_task
 from config import GLUE_TOKENS, RolloutConfig, check_rollout, max_model_len
 from engine import make_engine
-from model import ChatCodec, build_tiny_model, hf_config, load_tokenizer
+from model import ChatCodec, build_tiny_model, check_positions, load_tokenizer
 from rollout import format_episode, run_episodes
 from rundir import ensure_tiny_model
 from sandbox import DiffError, check_docker_images, check_isolation
@@ -469,11 +469,9 @@ def load_model(cfg):
                           partial(build_tiny_model, corpus=tiny_corpus()))
     tokenizer = load_tokenizer(model_path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    longest, positions = cfg.max_model_len or max_model_len(cfg.rollout), hf_config(model_path).max_position_embeddings
-    if longest > positions:   # past its positions RoPE fails in vLLM and degrades silently in transformers
-        raise ValueError(f"the longest sequence, {longest} tokens (--max-model-len, or --context-budget + "
-                         f"--max-observation-tokens + --max-summary-tokens + {GLUE_TOKENS}), is past "
-                         f"{model_path}'s {positions} positions: lower those flags")
+    longest = cfg.max_model_len or max_model_len(cfg.rollout)
+    check_positions(model_path, longest, f"--max-model-len, or --context-budget + --max-observation-tokens + "
+                                         f"--max-summary-tokens + {GLUE_TOKENS}")
     engine = make_engine(cfg.engine, model_path, pad, "cuda" if torch.cuda.is_available() else "cpu",
                          seed=cfg.seed, max_model_len=longest,
                          kv_cache_bytes=int(cfg.kv_cache_gib * 2**30) if cfg.kv_cache_gib else None)

@@ -85,6 +85,17 @@ def build_tiny_model(out_dir, corpus, vocab_size=1024, hidden_size=64, num_layer
     return out_dir
 
 
+def check_positions(path, longest, parts, rope_scaling=None, hint=""):
+    """Raise when `longest` tokens (made of `parts`, the flags that size it) pass the model's
+    positions under `rope_scaling`: RoPE past its range raises in vLLM and silently degrades in
+    transformers. `hint` is appended to the advice ("lower those flags")."""
+    limit = hf_config(path, rope_scaling).max_position_embeddings
+    if longest > limit:
+        scaling = f"YaRN {rope_scaling}" if rope_scaling else "no rope scaling"
+        raise ValueError(f"the longest sequence, {longest} tokens ({parts}), is past {path}'s {limit} positions "
+                         f"(max_position_embeddings, {scaling}): lower those flags{hint}")
+
+
 def hf_config(path, rope_scaling=None):
     """The model's transformers config as train.py runs it, on the trainer and in every engine:
     `rope_overrides` applied, and dropout off (the sampler never drops out, and PPO's ratio

@@ -46,8 +46,8 @@ from engine import make_engine
 from loss import finalize_metrics, normalizer_weights, ppo_policy_loss, value_loss
 from metrics import (Logger, explained_variance, merge_sums, plot_curve, reduce_sums, rollout_metrics,
                      segment_share_metrics, step_line, timed)
-from model import (PACKED_ATTENTION, Actor, ChatCodec, Critic, build_tiny_model, export_pretrained, hf_config,
-                   load_tokenizer)
+from model import (PACKED_ATTENTION, Actor, ChatCodec, Critic, build_tiny_model, check_positions, export_pretrained,
+                   hf_config, load_tokenizer)
 from rollout import format_episode, run_episodes
 
 
@@ -210,15 +210,12 @@ def check_model(cfg, model_path):
     """What the model must allow, checked from its config and tokenizer alone: the longest
     sequence within its positions (RoPE past its range raises in vLLM and silently degrades in
     transformers), and a chat template the codec can follow."""
-    hf = hf_config(model_path, cfg.model.rope_scaling)
-    need, limit = max_model_len(cfg.rollout), hf.max_position_embeddings
-    if need > limit:
-        scaling = f"YaRN {cfg.model.rope_scaling}" if cfg.model.rope_scaling else "no rope scaling"
-        raise ValueError(f"the longest sequence, {need} tokens (--context-budget {cfg.rollout.context_budget} + "
-                         f"--max-observation-tokens {cfg.rollout.max_observation_tokens} + --max-summary-tokens "
-                         f"{cfg.rollout.max_summary_tokens} + {GLUE_TOKENS}), is past {model_path}'s {limit} positions "
-                         f"(max_position_embeddings, {scaling}): lower those flags, or extend the positions "
-                         f"with --rope-scaling FACTOR ORIGINAL (YaRN; Qwen3: --rope-scaling 4 32768)")
+    r = cfg.rollout
+    check_positions(model_path, max_model_len(r),
+                    f"--context-budget {r.context_budget} + --max-observation-tokens {r.max_observation_tokens} + "
+                    f"--max-summary-tokens {r.max_summary_tokens} + {GLUE_TOKENS}", cfg.model.rope_scaling,
+                    ", or extend the positions with --rope-scaling FACTOR ORIGINAL "
+                    "(YaRN; Qwen3: --rope-scaling 4 32768)")
     ChatCodec(load_tokenizer(model_path), template_kwargs(cfg))  # raises, naming what the template lacks
 
 
